@@ -1,0 +1,189 @@
+"""Every environment variable the shim reads, parsed and validated in one place.
+
+Nothing here imports torch or vLLM: the bootstrap reads this module at interpreter start.
+Each variable is declared once in ``VARIABLES`` (name, default, accepted values, meaning);
+the README table is generated from that list (``python -m vllm_bi100_patch env-table``).
+
+An invalid value never raises at bootstrap: it is recorded in ``Settings.errors``, logged,
+and the variable keeps its default — except under strict mode, where ``check()`` raises
+``ConfigError`` naming the variable and the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Mapping, Optional, Tuple
+
+MODE = "VLLM_BI100_PATCH"
+DISABLE = "VLLM_BI100_PATCH_DISABLE"
+STRICT = "VLLM_BI100_PATCH_STRICT"
+LOG_LEVEL = "VLLM_BI100_PATCH_LOG_LEVEL"
+DECODE_FALLBACK_ABOVE = "VLLM_BI100_DECODE_FALLBACK_ABOVE"
+PREFIX_BUDGET_MB = "VLLM_BI100_PREFIX_BUDGET_MB"
+SM_COUNT = "VLLM_BI100_SM_COUNT"
+SM_OCCUPANCY = "VLLM_BI100_SM_OCCUPANCY"
+SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
+
+#: Names accepted in VLLM_BI100_PATCH_DISABLE (one per registry patch).
+PATCH_NAMES: Tuple[str, ...] = ("decode", "prefix", "import_guard")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value the shim does not accept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    accepted: str
+    meaning: str
+
+
+VARIABLES: Tuple[Variable, ...] = (
+    Variable(MODE, "auto", "`auto`, `1`, `0`",
+             "`auto`: patch when an Iluvatar device or `ixformer` is detected; `1`: patch on any "
+             "hardware (the tests use it on CPU); `0`: kill switch, nothing patched, no import "
+             "guard, stock vLLM."),
+    Variable(DISABLE, "(empty)", "comma list of " + ", ".join(f"`{n}`" for n in PATCH_NAMES),
+             "Patches to leave out, e.g. `prefix,import_guard`."),
+    Variable(STRICT, "0", "`0`, `1`",
+             "`1`: an unsupported vLLM version, a failed code check or an invalid variable raises "
+             "instead of logging and running stock vLLM."),
+    Variable(LOG_LEVEL, "(inherit)", "`DEBUG`, `INFO`, `WARNING`, `ERROR`",
+             "Level of the `vllm.bi100_patch` logger."),
+    Variable(DECODE_FALLBACK_ABOVE, "(never)", "integer >= 0, or `never`",
+             "Decode goes to the pure-PyTorch kernel when the longest sequence exceeds this many "
+             "tokens; `0` forces the fallback always."),
+    Variable(PREFIX_BUDGET_MB, "256", "integer >= 1",
+             "Peak extra memory (MiB) the pure-PyTorch prefix kernel may use per call; work is "
+             "tiled to stay under it, whatever the context length."),
+    Variable(SM_COUNT, "(device)", "integer >= 1",
+             "SM count used by the V1/V2 decode rule; default: read from the device, 16 (BI-V100) "
+             "when it cannot be read."),
+    Variable(SM_OCCUPANCY, "1", "integer >= 1", "Attention CTAs per SM in the V1/V2 rule."),
+    Variable(SUBSCRIPTION, "5", "integer >= 1", "Subscription factor in the V1/V2 rule."),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    mode: str = "auto"
+    disabled: Tuple[str, ...] = ()
+    strict: bool = False
+    log_level: Optional[str] = None
+    decode_fallback_above: Optional[int] = None
+    prefix_budget_mb: int = 256
+    sm_count: Optional[int] = None
+    sm_occupancy: int = 1
+    subscription: int = 5
+    errors: Tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """Raise ConfigError listing every invalid variable (strict mode)."""
+        if self.errors:
+            raise ConfigError("; ".join(self.errors))
+
+    @property
+    def off(self) -> bool:
+        return self.mode == "0"
+
+
+def _int_parser(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw.strip())
+        if value < minimum:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _parse_mode(raw: str) -> str:
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _TRUE:
+        return "1"
+    if value in _FALSE:
+        return "0"
+    raise ValueError
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE or value == "":
+        return False
+    raise ValueError
+
+
+def _parse_disabled(raw: str) -> Tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    if any(n not in PATCH_NAMES for n in names):
+        raise ValueError
+    return names
+
+
+def _parse_level(raw: str) -> Optional[str]:
+    value = raw.strip().upper()
+    if value == "":
+        return None
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError
+    return value
+
+
+def _parse_fallback(raw: str) -> Optional[int]:
+    value = raw.strip().lower()
+    if value in ("", "never", "none"):
+        return None
+    return _int_parser(0)(value)
+
+
+_PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
+    MODE: ("mode", _parse_mode),
+    DISABLE: ("disabled", _parse_disabled),
+    STRICT: ("strict", _parse_bool),
+    LOG_LEVEL: ("log_level", _parse_level),
+    DECODE_FALLBACK_ABOVE: ("decode_fallback_above", _parse_fallback),
+    PREFIX_BUDGET_MB: ("prefix_budget_mb", _int_parser(1)),
+    SM_COUNT: ("sm_count", _int_parser(1)),
+    SM_OCCUPANCY: ("sm_occupancy", _int_parser(1)),
+    SUBSCRIPTION: ("subscription", _int_parser(1)),
+}
+
+
+def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Parse the environment. Never raises; invalid values are listed in ``errors``."""
+    env = os.environ if environ is None else environ
+    values: dict = {}
+    errors = []
+    for var in VARIABLES:
+        raw = env.get(var.name)
+        if raw is None:
+            continue
+        field, parse = _PARSERS[var.name]
+        try:
+            values[field] = parse(raw)
+        except ValueError:
+            if var.name == MODE:
+                # A mistyped kill switch must not patch: an invalid mode means off.
+                values["mode"] = "0"
+                fallback = "the shim stays off"
+            else:
+                fallback = f"using the default {var.default}"
+            errors.append(f"{var.name}={raw!r} is invalid; accepted: {var.accepted} ({fallback})")
+    return Settings(errors=tuple(errors), **values)
+
+
+def env_table() -> str:
+    """The README's table of environment variables, generated from VARIABLES."""
+    rows = ["| variable | default | accepted | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.default} | {v.accepted} | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows)
