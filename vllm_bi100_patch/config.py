@@ -11,9 +11,11 @@ and the variable keeps its default — except under strict mode, where ``check()
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Callable, Mapping, Optional, Tuple
+TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
+
+if TYPE_CHECKING:  # the bootstrap imports this module in every interpreter: keep it bare
+    from typing import Callable, Mapping, Optional, Tuple
 
 MODE = "VLLM_BI100_PATCH"
 DISABLE = "VLLM_BI100_PATCH_DISABLE"
@@ -36,12 +38,11 @@ class ConfigError(ValueError):
     """An environment variable holds a value the shim does not accept."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Variable:
-    name: str
-    default: str
-    accepted: str
-    meaning: str
+    __slots__ = ("name", "default", "accepted", "meaning")
+
+    def __init__(self, name: str, default: str, accepted: str, meaning: str) -> None:
+        self.name, self.default, self.accepted, self.meaning = name, default, accepted, meaning
 
 
 VARIABLES: Tuple[Variable, ...] = (
@@ -70,18 +71,31 @@ VARIABLES: Tuple[Variable, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
 class Settings:
-    mode: str = "auto"
-    disabled: Tuple[str, ...] = ()
-    strict: bool = False
-    log_level: Optional[str] = None
-    decode_fallback_above: Optional[int] = None
-    prefix_budget_mb: int = 256
-    sm_count: Optional[int] = None
-    sm_occupancy: int = 1
-    subscription: int = 5
-    errors: Tuple[str, ...] = ()
+    """The parsed configuration (read-only by convention; ``load()`` makes a new one)."""
+
+    __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
+                 "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "errors")
+
+    def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
+                 log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
+                 prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
+                 sm_occupancy: int = 1, subscription: int = 5,
+                 errors: Tuple[str, ...] = ()) -> None:
+        self.mode = mode
+        self.disabled = disabled
+        self.strict = strict
+        self.log_level = log_level
+        self.decode_fallback_above = decode_fallback_above
+        self.prefix_budget_mb = prefix_budget_mb
+        self.sm_count = sm_count
+        self.sm_occupancy = sm_occupancy
+        self.subscription = subscription
+        self.errors = errors
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"Settings({fields})"
 
     def check(self) -> None:
         """Raise ConfigError listing every invalid variable (strict mode)."""

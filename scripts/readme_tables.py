@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Regenerates the README's generated blocks (environment variables, supported versions).
+
+    python scripts/readme_tables.py          # rewrite README.md in place
+    python scripts/readme_tables.py --check  # exit 1 if README.md is out of date
+
+The versions table comes from the registry's families (vllm_bi100_patch.versions) and the
+release lines that noxfile.py tests for real (read with ast, so nox need not be installed).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vllm_bi100_patch import config, versions  # noqa: E402
+
+README = os.path.join(ROOT, "README.md")
+
+
+def nox_releases(name: str) -> tuple:
+    tree = ast.parse(open(os.path.join(ROOT, "noxfile.py")).read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError(f"{name} not found in noxfile.py")
+
+
+def versions_block() -> str:
+    matrix, default = nox_releases("MATRIX"), nox_releases("DEFAULT_REAL")
+    lines = versions.support_table().splitlines()
+    out = [lines[0] + " tested for real (nox session) |", lines[1] + "---|"]
+    fams = list(versions.FAMILIES)
+    for fam, line in zip(fams, lines[2:2 + len(fams)]):
+        tested = [v for v in matrix
+                  if versions.family_for(versions.VersionInfo(v)) is fam]
+        cell = ", ".join(f"`real-{v}`" + (" (default)" if v in default else "") for v in tested)
+        out.append(line + f" {cell or 'none'} |")
+    for line in lines[2 + len(fams):]:
+        gone = [v for v in matrix if versions.family_for(versions.VersionInfo(v)) is None]
+        cell = ", ".join(f"`real-{v}`" for v in gone) if "later" in line else "fake tree only"
+        out.append(line + f" {cell} |")
+    return "\n".join(out)
+
+
+BLOCKS = {"env-table": config.env_table, "versions-table": versions_block}
+
+
+def render(text: str) -> str:
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+        if not pattern.search(text):
+            raise LookupError(f"README.md has no {name} block")
+        block = make()
+        text = pattern.sub(lambda m, b=block: m.group(1) + b + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list) -> int:
+    text = open(README).read()
+    new = render(text)
+    if "--check" in argv:
+        if new != text:
+            print("README.md is out of date: run python scripts/readme_tables.py")
+            return 1
+        return 0
+    open(README, "w").write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

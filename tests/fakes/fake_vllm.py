@@ -1,0 +1,147 @@
+"""Writes a fake ``vllm`` package tree for one signature family, for CPU unit tests.
+
+The fake has what the shim touches and nothing else: ``vllm.attention.ops.paged_attn`` with a
+``PagedAttention`` whose two staticmethods carry the family's exact parameter names (they record
+their calls and return a marker), a ``prefix_prefill`` "Triton" module that records being
+imported and refuses to run, ``vllm._custom_ops`` with dense-reference ``paged_attention_v1/v2``
+(so the native route computes real numbers), and ``*.dist-info`` metadata with the version.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from typing import Optional
+
+from vllm_bi100_patch import versions
+
+_OPS = '''
+"""Fake native ops: a dense reference in plain torch, vLLM's argument order."""
+import torch
+
+CALLS = []
+
+
+def _ref(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+         block_size, max_seq_len, alibi_slopes, kv_cache_dtype, *rest):
+    k_scale = float(rest[0])
+    v_scale = float(rest[1]) if len(rest) == 7 else k_scale
+    num_seqs, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    for i in range(num_seqs):
+        n = int(seq_lens[i])
+        if n == 0:
+            out[i].zero_()
+            continue
+        blocks = block_tables[i, :(n + block_size - 1) // block_size]
+        k = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)[:n]
+        v = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)[:n]
+        k = k.float().repeat_interleave(group, dim=1) * k_scale
+        v = v.float().repeat_interleave(group, dim=1) * v_scale
+        s = torch.einsum("hd,nhd->hn", query[i].float(), k) * scale
+        if alibi_slopes is not None:
+            s = s + alibi_slopes.float()[:, None] * (torch.arange(n) - (n - 1)).float()[None, :]
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(out.dtype)
+
+
+def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
+                       seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype, *rest):
+    CALLS.append(("v1", max_seq_len, rest))
+    _ref(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+         block_size, max_seq_len, alibi_slopes, kv_cache_dtype, *rest)
+
+
+def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
+                       num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+                       alibi_slopes, kv_cache_dtype, *rest):
+    CALLS.append(("v2", max_seq_len, rest))
+    _ref(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+         block_size, max_seq_len, alibi_slopes, kv_cache_dtype, *rest)
+'''
+
+_PREFIX_PREFILL = '''
+"""Stands in for vLLM's Triton module: importing it is recorded, running it is an error."""
+import os
+import sys
+
+sys.modules.setdefault("_fake_triton_log", type(sys)("_fake_triton_log"))
+sys.modules["_fake_triton_log"].__dict__.setdefault("imports", []).append(__name__)
+if os.environ.get("FAKE_TRITON_IMPORT_MARKER"):
+    with open(os.environ["FAKE_TRITON_IMPORT_MARKER"], "a") as fh:
+        fh.write("imported\\n")
+
+
+def context_attention_fwd(*args, **kwargs):
+    raise RuntimeError("FAKE TRITON KERNEL LAUNCHED (this would hang a BI-V100)")
+'''
+
+
+def _signature(params) -> str:
+    defaults = {"tp_rank": "0", "blocksparse_local_blocks": "0",
+                "blocksparse_vert_stride": "0", "blocksparse_block_size": "64",
+                "blocksparse_head_sliding_step": "0"}
+    return ", ".join(f"{p}={defaults[p]}" if p in defaults else p for p in params)
+
+
+def paged_attn_source(family: versions.Family, guarded_import: bool = True,
+                      decode_params: Optional[tuple] = None,
+                      decode_kind: str = "staticmethod") -> str:
+    decode = decode_params or family.decode_params
+    triton_import = ("from vllm.attention.ops.prefix_prefill import context_attention_fwd\n")
+    if guarded_import:
+        triton_import = "HAS_TRITON = True\nif HAS_TRITON:\n    " + triton_import
+    decorator = "@staticmethod" if decode_kind == "staticmethod" else "@classmethod"
+    first = "" if decode_kind == "staticmethod" else "cls, "
+    return textwrap.dedent('''\
+        """Fake paged_attn ({family})."""
+        from vllm import _custom_ops as ops
+        {triton_import}
+        STOCK_CALLS = []
+
+
+        class PagedAttention:
+            @staticmethod
+            def get_supported_head_sizes():
+                return [64, 80, 96, 112, 120, 128, 192, 256]
+
+            {decorator}
+            def forward_decode({first}{decode}):
+                STOCK_CALLS.append("forward_decode")
+                return "stock-decode"
+
+            @staticmethod
+            def forward_prefix({prefix}):
+                STOCK_CALLS.append("forward_prefix")
+                context_attention_fwd(query)
+                return "stock-prefix"
+        ''').format(family=family.name, triton_import=triton_import.replace("\n", "\n"),
+                    decorator=decorator, first=first, decode=_signature(decode),
+                    prefix=_signature(family.prefix_params))
+
+
+def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] = None,
+                    with_methods: bool = True, **source_options: object) -> str:
+    """Create ``root/vllm`` and ``root/vllm-VERSION.dist-info``; returns root."""
+    fam = family or versions.family_for(versions.VersionInfo(version)) or versions.FAMILIES[-1]
+    ops_dir = os.path.join(root, "vllm", "attention", "ops")
+    os.makedirs(ops_dir, exist_ok=True)
+    files = {
+        os.path.join(root, "vllm", "__init__.py"): f'__version__ = "{version}"\n',
+        os.path.join(root, "vllm", "attention", "__init__.py"): "",
+        os.path.join(ops_dir, "__init__.py"): "",
+        os.path.join(root, "vllm", "_custom_ops.py"): _OPS,
+        os.path.join(ops_dir, "prefix_prefill.py"): _PREFIX_PREFILL,
+        os.path.join(ops_dir, "paged_attn.py"): (
+            paged_attn_source(fam, guarded_import=True, **source_options)  # type: ignore[arg-type]
+            if with_methods else
+            '"""Fake paged_attn without the methods (0.12+)."""\n\nclass PagedAttention:\n'
+            '    pass\n'),
+    }
+    for path, text in files.items():
+        with open(path, "w") as fh:
+            fh.write(text)
+    dist = os.path.join(root, f"vllm-{version}.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w") as fh:
+        fh.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return root

@@ -1,0 +1,120 @@
+"""The replacements adapt every family's arguments to the kernels and give the right numbers."""
+
+import importlib
+
+import pytest
+import torch
+from conftest import FAMILY_VERSIONS
+from reference import decode_ref, empty_caches, prefix_ref, write
+
+from vllm_bi100_patch import config, hardware, registry, versions
+from vllm_bi100_patch.patches import paged_attention
+
+ON = config.load({config.MODE: "1"})
+HEADS, KV_HEADS, D, BS = 4, 2, 64, 16
+
+
+def _scenario(seed=0, seq_lens=(37, 1, 16), new=(5, 1, 3)):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 32
+    kc, vc = empty_caches(num_blocks, KV_HEADS, D, BS, torch.float32)
+    perm = torch.randperm(num_blocks, generator=g)
+    width = 4
+    block_tables = perm[: len(seq_lens) * width].reshape(len(seq_lens), width).to(torch.int32)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(n, KV_HEADS, D, generator=g)
+        v = torch.randn(n, KV_HEADS, D, generator=g)
+        write(kc, vc, block_tables[i], 0, k, v)
+        ks.append(k)
+        vs.append(v)
+    return g, kc, vc, block_tables, torch.tensor(seq_lens, dtype=torch.int32), ks, vs
+
+
+def _scales(fam):
+    one = torch.tensor(1.0) if fam.scales == "Tensor" else 1.0
+    return (one,) * len(fam.decode_scale_names)
+
+
+@pytest.fixture
+def patched(paged_attn_module):
+    def load(version):
+        mod = paged_attn_module(version)
+        report = registry.apply_to(mod, ON)
+        assert report.reason is None, report.reason
+        return mod, versions.family_for(versions.VersionInfo(version))
+    return load
+
+
+@pytest.mark.parametrize("version", sorted(FAMILY_VERSIONS.values()))
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_decode_every_family(patched, version, by_keyword):
+    mod, fam = patched(version)
+    g, kc, vc, bt, seq_lens, _, _ = _scenario()
+    query = torch.randn(3, HEADS, D, generator=g)
+    q_before = query.clone()
+    scale = D ** -0.5
+    args = (query, kc, vc, bt, seq_lens, int(seq_lens.max()), "auto", KV_HEADS, scale, None,
+            *_scales(fam))
+    if by_keyword:
+        out = mod.PagedAttention.forward_decode(**dict(zip(fam.decode_params, args)))
+    else:
+        out = mod.PagedAttention().forward_decode(*args)
+    torch.testing.assert_close(out.double(), decode_ref(query, kc, vc, bt, seq_lens, scale),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(query, q_before)
+    assert "forward_decode" not in mod.STOCK_CALLS
+
+
+@pytest.mark.parametrize("version", sorted(FAMILY_VERSIONS.values()))
+def test_prefix_every_family(patched, version):
+    mod, fam = patched(version)
+    g, kc, vc, bt, seq_lens, ks, vs = _scenario(seed=1)
+    new = torch.tensor([5, 1, 3], dtype=torch.int32)
+    context_lens = seq_lens - new
+    qsl = torch.zeros(4, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(new, 0)
+    key = torch.cat([k[c:] for k, c in zip(ks, context_lens.tolist())])
+    value = torch.cat([v[c:] for v, c in zip(vs, context_lens.tolist())])
+    query = torch.randn(int(new.sum()), HEADS, D, generator=g)
+    values = {
+        "query": query, "key": key, "value": value, "kv_cache_dtype": "auto", "key_cache": kc,
+        "value_cache": vc, "block_tables": bt, "query_start_loc": qsl, "seq_lens_tensor": seq_lens,
+        "context_lens": context_lens, "max_query_len": int(new.max()), "alibi_slopes": None,
+        "sliding_window": None, "k_scale": _scales(fam)[0], "v_scale": _scales(fam)[0],
+    }
+    out = mod.PagedAttention.forward_prefix(*[values[p] for p in fam.prefix_params])
+    ref = prefix_ref(query, kc, vc, bt, qsl, seq_lens, context_lens, key, value, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert mod.STOCK_CALLS == []  # the Triton path was never taken
+    assert paged_attention.call_counts()["forward_prefix"] >= 1
+
+
+@pytest.mark.parametrize("version", ["0.5.0", "0.6.3.post1", "0.8.5"])
+def test_native_route_passes_the_family_scales_through(patched, version, monkeypatch):
+    mod, fam = patched(version)
+    monkeypatch.setattr(hardware, "ixformer_present", lambda: True)
+    monkeypatch.setattr(paged_attention, "_native_checked", {})
+    ops = importlib.import_module("vllm._custom_ops")
+    ops.CALLS.clear()
+    g, kc, vc, bt, seq_lens, _, _ = _scenario(seed=2)
+    query = torch.randn(3, HEADS, D, generator=g)
+    scales = tuple(0.5 + i for i in range(len(fam.decode_scale_names)))
+    out = mod.PagedAttention.forward_decode(query, kc, vc, bt, seq_lens, 64, "auto", KV_HEADS,
+                                            0.125, None, *scales)
+    assert len(ops.CALLS) == 1
+    route, max_seq_len, rest = ops.CALLS[0]
+    assert route in ("v1", "v2") and max_seq_len == 64
+    assert rest[:len(scales)] == scales and rest[len(scales):] == (0, 0, 0, 64, 0)
+    # The fake native op scales K by k_scale and V by v_scale: compare with a scaled reference.
+    kref, vref = kc * scales[0], vc * scales[-1]
+    torch.testing.assert_close(out.double(), decode_ref(query, kref, vref, bt, seq_lens, 0.125),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_argument_errors_look_like_python_ones(patched):
+    mod, fam = patched("0.8.5")
+    with pytest.raises(TypeError, match="missing required argument: 'key_cache'"):
+        mod.PagedAttention.forward_decode(torch.zeros(1, HEADS, D))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        mod.PagedAttention.forward_decode(*range(12), bogus=1)

@@ -1,0 +1,44 @@
+"""The README cannot drift: generated tables, the two set-up commands, CI running the same one."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+from vllm_bi100_patch import versions
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import readme_tables  # noqa: E402
+
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        return fh.read()
+
+
+def test_generated_tables_are_current():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "readme_tables.py"),
+                           "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_family_is_tested_for_real_by_a_nox_session():
+    matrix = readme_tables.nox_releases("MATRIX")
+    default = readme_tables.nox_releases("DEFAULT_REAL")
+    fams = {versions.family_for(versions.VersionInfo(v)) for v in matrix}
+    assert set(versions.FAMILIES) <= fams
+    assert None in fams  # a release without the methods is tested for the clean skip
+    default_fams = {versions.family_for(versions.VersionInfo(v)) for v in default}
+    assert len(default_fams - {None}) >= 3 and set(default) <= set(matrix)
+
+
+def test_two_setup_commands_and_ci_runs_the_test_one():
+    setup = _readme().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    assert len(blocks) == 2
+    test_cmd = blocks[1].strip()
+    with open(os.path.join(ROOT, ".ci", "run")) as fh:
+        ci = fh.read()
+    assert test_cmd in ci.splitlines()

@@ -1,0 +1,270 @@
+"""The one bootstrap every activation path calls; cheap, idempotent, thread-safe, never raises.
+
+Activation layer (DESIGN.md §3): imports neither torch nor vLLM, nor wrapt (whose import pulls
+in ``importlib.metadata``, tens of milliseconds in every Python process). It reads the
+configuration, installs the import guard for ``prefix_prefill`` and a post-import hook on
+``vllm.attention.ops.paged_attn``, and returns. The patching itself runs when vLLM imports
+that module (or at once, when it is already imported).
+"""
+
+from __future__ import annotations
+
+import _thread
+import sys
+from . import config
+
+TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
+
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional
+
+TARGET_MODULE = "vllm.attention.ops.paged_attn"
+LOGGER = "vllm.bi100_patch"
+
+
+class _LazyLogger:
+    """``logging`` is imported on the first message, not at interpreter start."""
+
+    def __getattr__(self, name: str) -> Any:
+        import logging
+
+        return getattr(logging.getLogger(LOGGER), name)
+
+
+log = _LazyLogger()
+_lock = _thread.RLock()
+_sources: List[str] = []
+_settings: Optional[config.Settings] = None
+_active = False
+_strict = False
+_decision: str = "not bootstrapped"
+_last_error: Optional[str] = None
+_logged_errors: set = set()
+
+
+class _HookLoader:
+    """Wraps a module's loader; runs the post-import callbacks after the module executed."""
+
+    def __init__(self, loader: Any, finder: "PostImportFinder", name: str) -> None:
+        self._loader = loader
+        self._finder = finder
+        self._name = name
+
+    def create_module(self, spec: Any) -> Any:
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._finder.fire(self._name, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, get_code, ...
+        return getattr(self._loader, name)
+
+
+class PostImportFinder:
+    """A ``sys.meta_path`` entry that calls back around the import of named modules.
+
+    ``before`` callbacks run when the module is looked up, before its code executes; ``after``
+    callbacks run once it has executed. The same technique as wrapt's ``when_imported`` (find
+    the real spec, wrap its loader), without importing wrapt at interpreter start.
+    """
+
+    def __init__(self) -> None:
+        self.hooks: Dict[str, List[Callable[[Any], None]]] = {}
+        self.before: Dict[str, List[Callable[[], None]]] = {}
+        self._resolving: set = set()
+
+    def register(self, name: str, hook: Callable[[Any], None]) -> None:
+        """Call ``hook(module)`` after ``name`` is imported (at once if it already is)."""
+        self.hooks.setdefault(name, []).append(hook)
+        module = sys.modules.get(name)
+        if module is not None:
+            hook(module)
+
+    def register_before(self, name: str, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` when ``name`` is about to be imported (at once if it already is)."""
+        self.before.setdefault(name, []).append(hook)
+        if name in sys.modules:
+            hook()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname in self._resolving:
+            return None
+        for hook in list(self.before.get(fullname, ())):
+            hook()
+        if fullname not in self.hooks:
+            return None
+        import importlib.util
+
+        self._resolving.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._resolving.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _HookLoader(spec.loader, self, fullname)  # type: ignore[assignment]
+        return spec
+
+    def fire(self, name: str, module: Any) -> None:
+        for hook in list(self.hooks.get(name, ())):
+            hook(module)
+
+
+_finder = PostImportFinder()
+
+
+def _ensure_finder() -> None:
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def _before_vllm() -> None:
+    """Runs when ``vllm`` is about to be imported (or at activation, if it already is): an
+    unsupported version gets its one WARNING now and no side effects at all (the import guard
+    comes off again), even if vLLM never imports paged_attn (0.12+ has no such methods)."""
+    global _last_error, _decision
+    if not _active or _settings is None:
+        return
+    try:
+        from . import registry, versions
+
+        info = versions.installed_vllm_version()
+        if versions.family_for(info) is None:
+            reason = registry.unsupported_reason(info)
+            _decision = "inactive: " + reason
+            if "vllm_bi100_patch.import_guard" in sys.modules:
+                from . import import_guard
+
+                import_guard.uninstall()
+            registry.warn_once(reason)
+            if _strict:
+                raise registry.PatchError(reason)
+    except Exception as exc:
+        _last_error = f"{type(exc).__name__}: {exc}"
+        if _strict:
+            raise
+        log.exception("vllm-bi100-patch: version check failed")
+
+
+def _on_paged_attn(module: Any) -> None:
+    """Post-import callback: patch now. Never raises, except under strict mode."""
+    global _last_error
+    if not _active or _settings is None:
+        return
+    try:
+        from . import registry  # wrapt and the patch layer load here, not at start-up
+
+        report = registry.apply_to(module, _settings, strict=_strict)
+        if report.reason is None:
+            from . import import_guard
+
+            log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
+                     "guard %s; activated by %s", report.vllm_version, report.family,
+                     ", ".join(report.applied) or "nothing",
+                     "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()),
+                     "on" if import_guard.installed() else "off", ",".join(_sources))
+    except Exception as exc:
+        _last_error = f"{type(exc).__name__}: {exc}"
+        if _strict:
+            raise
+        log.exception("vllm-bi100-patch: patching failed; stock vLLM runs")
+
+
+def _configure_logging(settings: config.Settings) -> None:
+    if settings.log_level:
+        log.setLevel(settings.log_level)  # only then is logging imported
+
+
+def activate(source: str, *, force: bool = False, strict: Optional[bool] = None) -> None:
+    """Activate the shim (idempotent). ``force`` skips hardware auto-detection (explicit
+    ``apply()``); the kill switch always wins. Raises only under strict mode."""
+    global _settings, _active, _strict, _decision
+    with _lock:
+        if source not in _sources:
+            _sources.append(source)
+        if _active:
+            return
+        settings = config.load()
+        _settings = settings
+        _configure_logging(settings)
+        _strict = settings.strict if strict is None else strict
+        for error in settings.errors:
+            if error not in _logged_errors:  # once per process, not once per activation path
+                _logged_errors.add(error)
+                log.error("vllm-bi100-patch: %s", error)
+        if _strict:
+            settings.check()
+        if settings.off:
+            _decision = f"off: {config.MODE}={settings.mode} (kill switch)"
+            return
+        if settings.mode == "auto" and not force:
+            from . import hardware
+
+            if not hardware.findable("vllm"):
+                _decision = "off: no vLLM in this environment"
+                return
+            if not hardware.looks_like_iluvatar():
+                _decision = ("off: no Iluvatar device or ixformer detected "
+                             f"({config.MODE}=auto; set it to 1 to force)")
+                return
+        _active = True
+        _decision = "active"
+        if "import_guard" not in settings.disabled:
+            from . import import_guard
+
+            import_guard.install()
+        _ensure_finder()
+        if _before_vllm not in _finder.before.get("vllm", []):
+            _finder.register_before("vllm", _before_vllm)
+        elif "vllm" in sys.modules:
+            _before_vllm()
+        if _on_paged_attn not in _finder.hooks.get(TARGET_MODULE, []):
+            _finder.register(TARGET_MODULE, _on_paged_attn)
+        else:
+            module = sys.modules.get(TARGET_MODULE)
+            if module is not None:
+                _on_paged_attn(module)
+
+
+def bootstrap(source: str) -> None:
+    """Entry for sitecustomize, the .pth line and the vLLM plugin: never raises."""
+    global _last_error
+    try:
+        activate(source)
+    except Exception as exc:  # the host process must go on, unpatched
+        _last_error = f"{type(exc).__name__}: {exc}"
+        try:
+            log.error("vllm-bi100-patch: activation from %s failed (%s); stock vLLM runs",
+                      source, _last_error)
+        except Exception:
+            pass
+
+
+def plugin() -> None:
+    """``vllm.general_plugins`` entry point (front end, engine process, every worker)."""
+    bootstrap("plugin")
+
+
+def deactivate() -> None:
+    """Stop patching new imports and remove the import guard (used by ``revert()``)."""
+    global _active, _decision
+    with _lock:
+        _active = False
+        _decision = "reverted"
+        if "vllm_bi100_patch.import_guard" in sys.modules:
+            from . import import_guard
+
+            import_guard.uninstall()
+
+
+def state() -> Dict[str, Any]:
+    return {
+        "active": _active,
+        "decision": _decision,
+        "activated_by": list(_sources),
+        "strict": _strict,
+        "last_error": _last_error,
+        "config_errors": list(_settings.errors) if _settings else [],
+    }

@@ -1,0 +1,162 @@
+"""Keeps vLLM's Triton ``context_attention_fwd`` out of the process.
+
+Catalogue entry — ``vllm.attention.ops.prefix_prefill`` (the whole module)
+    Why:     its Triton kernel ``context_attention_fwd`` (chunked prefill, prefix caching)
+             hangs the BI-V100 card until reboot. From vLLM 0.6.5, merely importing the module
+             also queries the device (``has_device_capability(80)``).
+    How:     a ``sys.meta_path`` finder, installed first by the bootstrap, serves a substitute
+             module under that name. Its ``context_attention_fwd`` raises
+             ``TritonPrefixBlocked`` naming the caller: never a hang, never a silent wrong
+             result. The shim's own ``forward_prefix`` replacement never calls it. If the real
+             module was imported before the shim activated, the names ``context_attention_fwd``
+             already bound in vLLM's modules are re-pointed at the substitute (and restored on
+             uninstall).
+    vLLM:    every supported release (0.5.0 – 0.11.2): paged_attn.py imports it at top level
+             (under ``if HAS_TRITON:`` from 0.5.4); chunked_prefill_paged_decode.py too from 0.8.0.
+    Upstream: no fix; Iluvatar's stack has no working Triton for this kernel.
+    Removal: drop this module and ``import_guard`` from the registry once Iluvatar ships a
+             Triton that runs the kernel, or vLLM stops importing it on the V0 path.
+"""
+
+from __future__ import annotations
+
+import _thread
+import sys
+
+TYPE_CHECKING = False  # imported at interpreter start when active: no typing, no logging
+if TYPE_CHECKING:
+    import importlib.machinery
+    import types
+    from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+
+def _log() -> Any:
+    import logging
+
+    return logging.getLogger("vllm.bi100_patch")
+
+TARGET = "vllm.attention.ops.prefix_prefill"
+#: Modules that bind ``context_attention_fwd`` at import time.
+BINDERS = ("vllm.attention.ops.paged_attn", "vllm.attention.ops.chunked_prefill_paged_decode")
+MARKER = "__vllm_bi100_substitute__"
+
+
+class TritonPrefixBlocked(RuntimeError):
+    """vLLM tried to launch the Triton prefix kernel while the shim keeps it out."""
+
+
+def _caller(depth: int = 2) -> str:
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:  # pragma: no cover - shallow stack
+        return "<unknown caller>"
+    code = frame.f_code
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}.{code.co_name} ({code.co_filename}:{frame.f_lineno})"
+
+
+def context_attention_fwd(*args: Any, **kwargs: Any) -> None:
+    """Substitute for vLLM's Triton kernel: refuses loudly instead of hanging the card."""
+    raise TritonPrefixBlocked(
+        "vllm-bi100-patch blocked vLLM's Triton context_attention_fwd (it hangs Iluvatar "
+        f"BI-V100 cards), called from {_caller()}. The shim's PagedAttention.forward_prefix "
+        "replacement does not need it: check that the 'prefix' patch is applied "
+        "(python -m vllm_bi100_patch doctor) and not listed in VLLM_BI100_PATCH_DISABLE; on "
+        "hardware where Triton works, run with VLLM_BI100_PATCH=0.")
+
+
+def _module_getattr(name: str) -> Any:
+    raise AttributeError(
+        f"module {TARGET!r} is vllm-bi100-patch's substitute for vLLM's Triton prefix kernel "
+        f"and has no attribute {name!r} (set VLLM_BI100_PATCH=0 for the real module)")
+
+
+class _SubstituteLoader:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.context_attention_fwd = context_attention_fwd  # type: ignore[attr-defined]
+        module.TritonPrefixBlocked = TritonPrefixBlocked  # type: ignore[attr-defined]
+        setattr(module, MARKER, True)
+        module.__getattr__ = _module_getattr  # type: ignore[attr-defined,method-assign]
+        _log().debug("served the substitute for %s", TARGET)
+
+
+class PrefixPrefillGuard:
+    """Answers only for ``vllm.attention.ops.prefix_prefill``; every other import passes."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[types.ModuleType] = None
+                  ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != TARGET:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(
+            fullname, _SubstituteLoader(),  # type: ignore[arg-type]
+            origin="vllm_bi100_patch.import_guard")
+
+
+_lock = _thread.RLock()
+_finder: Optional[PrefixPrefillGuard] = None
+_rebound: List[Tuple[types.ModuleType, Any]] = []
+
+
+def is_substitute(module: Optional[types.ModuleType]) -> bool:
+    return module is not None and getattr(module, MARKER, False) is True
+
+
+def installed() -> bool:
+    return _finder is not None and _finder in sys.meta_path
+
+
+def install() -> None:
+    """Install the finder first on sys.meta_path (idempotent) and neutralise a real module
+    that was imported before the shim activated."""
+    global _finder
+    with _lock:
+        if _finder is None:
+            _finder = PrefixPrefillGuard()
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        real = sys.modules.get(TARGET)
+        if real is not None and not is_substitute(real):
+            _log().warning("%s (Triton) was imported before vllm-bi100-patch activated; it stays "
+                        "loaded but every reference vLLM holds to context_attention_fwd now "
+                        "points at the blocking substitute", TARGET)
+            _rebind_existing(real)
+
+
+def _rebind_existing(real: types.ModuleType) -> None:
+    real_fn = getattr(real, "context_attention_fwd", None)
+    for name in BINDERS:
+        mod = sys.modules.get(name)
+        if mod is None or real_fn is None:
+            continue
+        if vars(mod).get("context_attention_fwd") is real_fn:
+            _rebound.append((mod, real_fn))
+            mod.context_attention_fwd = context_attention_fwd  # type: ignore[attr-defined]
+
+
+def uninstall() -> None:
+    """Remove the finder and undo any rebinding. A substitute already imported stays in
+    sys.modules (modules hold references to it); it keeps refusing to launch Triton."""
+    global _finder
+    with _lock:
+        if _finder is not None:
+            while _finder in sys.meta_path:
+                sys.meta_path.remove(_finder)
+        for mod, real_fn in reversed(_rebound):
+            if vars(mod).get("context_attention_fwd") is context_attention_fwd:
+                mod.context_attention_fwd = real_fn  # type: ignore[attr-defined]
+        _rebound.clear()
+
+
+def state() -> Dict[str, Any]:
+    module = sys.modules.get(TARGET)
+    return {
+        "installed": installed(),
+        "prefix_prefill": ("absent" if module is None
+                           else "substitute" if is_substitute(module) else "real (Triton)"),
+    }
