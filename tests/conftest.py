@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import Dict, Iterator, Optional
 
@@ -87,13 +88,24 @@ SUBPROCESS_PRELUDE = textwrap.dedent("""
 
 def run_python(code: str, *, env: Optional[Dict[str, str]] = None, python: str = sys.executable,
                args: tuple = (), cwd: Optional[str] = None, timeout: int = 120,
-               prelude: bool = True) -> subprocess.CompletedProcess:
+               prelude: bool = True, script: bool = False) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("VLLM_BI100", "PYTHONPATH"))}
     full_env.update(env or {})
     source = (SUBPROCESS_PRELUDE if prelude else "") + textwrap.dedent(code)
-    return subprocess.run([python, *args, "-c", source], env=full_env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    if script:  # multiprocessing's spawn needs a real __main__ file
+        fd, path = tempfile.mkstemp(suffix=".py", prefix="bi100_probe_")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(source)
+        command = [python, *args, path]
+    else:
+        command = [python, *args, "-c", source]
+    try:
+        return subprocess.run(command, env=full_env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:
+        if script:
+            os.remove(path)
 
 
 def reports(proc: subprocess.CompletedProcess) -> list:
@@ -115,12 +127,18 @@ def shim_venv(tmp_path_factory) -> Iterator[str]:
                     "-q", "-w", str(wheel_dir), ROOT], check=True, capture_output=True)
     wheel = next(wheel_dir.glob("vllm_bi100_patch-*.whl"))
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
+                    "--no-index", "-q", str(wheel)], check=True, capture_output=True)
+    # torch, wrapt and packaging come from the interpreter running the tests (a nox venv or
+    # not): its site-packages is appended after the venv's own, as a .pth line.
+    with open(os.path.join(venv_site_packages(python), "zz_test_deps.pth"), "w") as fh:
+        fh.write(TEST_DEPS_SITE + "\n")
     yield python
+
+
+TEST_DEPS_SITE = os.path.dirname(os.path.dirname(importlib.import_module("wrapt").__file__))
 
 
 def venv_site_packages(python: str) -> str:

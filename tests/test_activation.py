@@ -9,7 +9,14 @@ import os
 import textwrap
 
 import pytest
-from conftest import ROOT, reports, run_python, venv_site_packages, write_fake_vllm
+from conftest import (
+    ROOT,
+    TEST_DEPS_SITE,
+    reports,
+    run_python,
+    venv_site_packages,
+    write_fake_vllm,
+)
 
 PA = "vllm.attention.ops.paged_attn"
 
@@ -20,7 +27,15 @@ def fake_root(tmp_path_factory):
 
 
 def _env(fake_root, **extra):
+    """Environment for the repo's code on a plain interpreter (explicit API only)."""
     env = {"PYTHONPATH": os.pathsep.join([ROOT, fake_root]), "VLLM_BI100_PATCH": "1"}
+    env.update(extra)
+    return env
+
+
+def _venv_env(fake_root, **extra):
+    """Environment for the installed shim: only the fake vLLM on PYTHONPATH."""
+    env = {"PYTHONPATH": fake_root, "VLLM_BI100_PATCH": "1"}
     env.update(extra)
     return env
 
@@ -93,7 +108,7 @@ def test_sitecustomize_patches_on_import_and_logs_once(shim_venv, fake_root):
         import vllm.attention.ops.paged_attn
         report(patched=patched(), prefix=prefix_state(), status=shim.status())
     """
-    proc = run_python(code, python=shim_venv, env=_env(fake_root))
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake_root))
     result = reports(proc)[0]
     assert result["patched"] == {"forward_decode": True, "forward_prefix": True}
     assert result["prefix"] == "substitute"
@@ -113,10 +128,11 @@ def test_kill_switch_gives_stock_vllm(shim_venv, fake_root):
         st = shim.apply()
         import vllm.attention.ops.paged_attn as pa
         finders = [type(f).__module__ for f in sys.meta_path]
+        loaded = sorted(m for m in sys.modules if m.startswith("vllm_bi100_patch"))
         report(patched=patched(), prefix=prefix_state(), status=st, finders=finders,
-               loaded=sorted(m for m in sys.modules if m.startswith("vllm_bi100_patch")))
+               loaded=loaded)
     """
-    result = reports(run_python(code, python=shim_venv, env=_env(fake_root, VLLM_BI100_PATCH="0")))[0]
+    result = reports(run_python(code, python=shim_venv, env=_venv_env(fake_root, VLLM_BI100_PATCH="0")))[0]
     assert result["patched"] == {"forward_decode": False, "forward_prefix": False}
     assert result["prefix"] == "real"
     assert not any("vllm_bi100_patch" in f for f in result["finders"])
@@ -129,12 +145,12 @@ def test_auto_mode_needs_iluvatar(shim_venv, fake_root, tmp_path):
         import vllm.attention.ops.paged_attn
         report(patched=patched(), prefix=prefix_state())
     """
-    off = reports(run_python(code, python=shim_venv, env=_env(fake_root, VLLM_BI100_PATCH="auto")))
+    off = reports(run_python(code, python=shim_venv, env=_venv_env(fake_root, VLLM_BI100_PATCH="auto")))
     assert off[0]["patched"]["forward_decode"] is False and off[0]["prefix"] == "real"
     ix = tmp_path / "ixformer_site"
     (ix / "ixformer").mkdir(parents=True)
     (ix / "ixformer" / "__init__.py").write_text("raise ImportError('never imported at start-up')\n")
-    env = _env(fake_root, VLLM_BI100_PATCH="auto")
+    env = _venv_env(fake_root, VLLM_BI100_PATCH="auto")
     env["PYTHONPATH"] += os.pathsep + str(ix)
     on = reports(run_python(code, python=shim_venv, env=env))
     assert on[0]["patched"]["forward_decode"] is True and on[0]["prefix"] == "substitute"
@@ -158,7 +174,7 @@ def test_spawned_and_forked_children_are_patched(shim_venv, fake_root):
                 p.start(); out[method] = q.get(timeout=60); p.join(60)
             report(children=out, parent=patched())
     """
-    proc = run_python(code, python=shim_venv, env=_env(fake_root), prelude=True)
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake_root), script=True)
     result = reports(proc)[0]
     assert result["children"] == {"spawn": True, "fork": True, "forkserver": True}
     assert result["parent"]["forward_decode"] is True
@@ -188,7 +204,7 @@ def test_user_sitecustomize_later_on_path_still_runs(shim_venv, fake_root, user_
                chained="vllm_bi100_patch._chained_sitecustomize" in sys.modules)
     """
     result = reports(run_python(code, python=shim_venv,
-                                env=_env(fake_root, USER_SITE_MARK=str(mark))))[0]
+                                env=_venv_env(fake_root, USER_SITE_MARK=str(mark))))[0]
     assert mark.read_text() == "ran" and result["chained"]
     assert result["ours"].startswith(os.path.dirname(venv_site_packages(shim_venv)))
     assert result["patched"]["forward_decode"] is True
@@ -198,7 +214,7 @@ def test_shadowing_sitecustomize_does_not_stop_activation(shim_venv, fake_root, 
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "sitecustomize.py").write_text("SHADOW = True\n")
-    env = _env(fake_root)
+    env = _venv_env(fake_root)
     env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
     code = """
         import sitecustomize, vllm_bi100_patch as shim
@@ -221,8 +237,8 @@ def test_plugin_entry_point(shim_venv, fake_root):
         report(n=len(eps), value=eps[0].value, patched=patched(), by=shim.status()["activated_by"])
     """
     # -S: no site, so neither sitecustomize nor .pth ran; only the plugin activates.
-    env = _env(fake_root)
-    env["PYTHONPATH"] += os.pathsep + venv_site_packages(shim_venv)
+    env = _venv_env(fake_root)
+    env["PYTHONPATH"] += os.pathsep.join(["", venv_site_packages(shim_venv), TEST_DEPS_SITE])
     result = reports(run_python(code, python=shim_venv, env=env, args=("-S",)))[0]
     assert result["n"] == 1 and result["value"] == "vllm_bi100_patch._bootstrap:plugin"
     assert result["patched"]["forward_decode"] is True and result["by"] == ["plugin"]
@@ -232,7 +248,7 @@ def test_console_script_and_module_cli(shim_venv, fake_root):
     import subprocess
 
     script = os.path.join(os.path.dirname(shim_venv), "vllm-bi100-patch")
-    env = dict(os.environ, **_env(fake_root))
+    env = dict(os.environ, **_venv_env(fake_root))
     out = subprocess.run([script, "status"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "0.6.3.post1" in out.stdout and "v0.5.5" in out.stdout
@@ -251,11 +267,11 @@ def test_unknown_version_warns_once_and_strict_raises(shim_venv, tmp_path):
         import vllm.attention.ops.paged_attn
         report(patched=patched())
     """
-    proc = run_python(code, python=shim_venv, env=_env(fake))
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake))
     assert reports(proc)[0]["patched"]["forward_decode"] is False
     warnings = [line for line in proc.stderr.splitlines() if "not a supported version" in line]
     assert len(warnings) == 1 and "0.4.0" in warnings[0]
-    strict = run_python(code, python=shim_venv, env=_env(fake, VLLM_BI100_PATCH_STRICT="1"))
+    strict = run_python(code, python=shim_venv, env=_venv_env(fake, VLLM_BI100_PATCH_STRICT="1"))
     assert strict.returncode != 0 and "PatchError" in strict.stderr
     assert "not a supported version" in strict.stderr
 
@@ -267,7 +283,7 @@ def test_methods_gone_in_012_is_a_clean_skip(shim_venv, tmp_path):
         import vllm_bi100_patch as shim
         report(attrs=sorted(vars(pa.PagedAttention)), status=shim.status())
     """
-    proc = run_python(code, python=shim_venv, env=_env(fake))
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake))
     result = reports(proc)[0]
     assert "forward_decode" not in result["attrs"] and result["status"]["patched"] == []
     assert result["status"]["supported"] is False
@@ -279,7 +295,7 @@ def test_invalid_configuration_never_breaks_the_host(shim_venv, fake_root):
         import vllm.attention.ops.paged_attn
         report(patched=patched(), prefix=prefix_state())
     """
-    proc = run_python(code, python=shim_venv, env=_env(fake_root, VLLM_BI100_PATCH="maybe"))
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake_root, VLLM_BI100_PATCH="maybe"))
     result = reports(proc)[0]
     assert result["patched"]["forward_decode"] is False and result["prefix"] == "real"
     assert "VLLM_BI100_PATCH='maybe' is invalid" in proc.stderr
