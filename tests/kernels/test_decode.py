@@ -106,6 +106,8 @@ def test_max_seq_len_and_garbage_padding(layout):
     _check(paged_decode(q, kc, vc, bt, sl, 0.1), ref, torch.float32)
     _check(paged_decode(q, kc, vc, bt, sl, 0.1, max_seq_len=40), ref, torch.float32)
     _check(paged_decode(q, kc, vc, bt, sl, 0.1, max_seq_len=96), ref, torch.float32)
+    # An inflated bound (CUDA-graph max_seq_len_to_capture) is capped at the table width.
+    _check(paged_decode(q, kc, vc, bt, sl, 0.1, max_seq_len=8192), ref, torch.float32)
 
 
 def test_all_empty_and_no_sequences():
@@ -201,7 +203,8 @@ def test_tile_scratch_bounded_for_huge_batches():
         (lambda a: a.update(q=a["q"][:, :3]), r"num_heads 3 .* multiple of num_kv_heads 2"),
         (lambda a: a.update(sl=a["sl"][:2]), r"seq_lens must have shape \[6\], got \(2,\)"),
         (lambda a: a.update(bt=a["bt"][:, :1]), r"block_tables too short: seq_lens max 53"),
-        (lambda a: a.update(kw={"max_seq_len": 100}), r"block_tables too short: max_seq_len=100"),
+        (lambda a: a.update(bt=a["bt"][:, :3], kw={"max_seq_len": 100}),
+         r"block_tables too short: seq_lens max 53 needs 4 blocks of 16, block_tables has 3"),
         (lambda a: a.update(kw={"max_seq_len": 20}), r"seq_lens max 53 exceeds max_seq_len=20"),
         (lambda a: a.update(q=a["q"].half()), r"kv_cache_dtype='auto' .* key_cache is torch.float32"),
         (lambda a: a.update(kw={"kv_cache_dtype": "int8"}), r"kv_cache_dtype='int8' is not supported"),
