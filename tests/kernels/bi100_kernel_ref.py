@@ -1,0 +1,129 @@
+"""Test helpers: random paged caches and a dense float64 reference (independent gather)."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def fp8_available(name: str = "fp8") -> bool:
+    return hasattr(torch, FP8[name])
+
+
+def make_cache(num_blocks: int, kv_heads: int, head_size: int, block_size: int,
+               dtype: torch.dtype, kv_cache_dtype: str = "auto",
+               gen: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random key/value caches in vLLM's layout; fp8 caches are uint8 tensors."""
+    store = torch.uint8 if kv_cache_dtype != "auto" else dtype
+    elem = torch.empty((), dtype=store).element_size()
+    x = 16 // elem
+    k = torch.randn(num_blocks, kv_heads, head_size // x, block_size, x, generator=gen)
+    v = torch.randn(num_blocks, kv_heads, head_size, block_size, generator=gen)
+    if kv_cache_dtype == "auto":
+        return k.to(dtype), v.to(dtype)
+    f8 = getattr(torch, FP8[kv_cache_dtype])
+    return k.to(f8).view(torch.uint8), v.to(f8).view(torch.uint8)
+
+
+def make_tables(seq_lens: Sequence[int], block_size: int, width: int, num_blocks: int,
+                gen: Optional[torch.Generator] = None, pad: int = 0) -> torch.Tensor:
+    """Block tables: a random permutation of physical blocks; unused entries = ``pad``."""
+    need = sum(math.ceil(s / block_size) for s in seq_lens)
+    assert need <= num_blocks, (need, num_blocks)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(seq_lens), width), pad, dtype=torch.int32)
+    at = 0
+    for i, s in enumerate(seq_lens):
+        n = math.ceil(s / block_size)
+        table[i, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    return table
+
+
+def gather_seq(key_cache: torch.Tensor, value_cache: torch.Tensor, table_row: torch.Tensor,
+               length: int, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+               v_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one sequence as float64 [length, kv_heads, head_size], token by token."""
+    kv_heads = key_cache.shape[1]
+    head_size = value_cache.shape[2]
+    block_size = value_cache.shape[3]
+    if kv_cache_dtype != "auto":
+        f8 = getattr(torch, FP8[kv_cache_dtype])
+        key_cache, value_cache = key_cache.view(f8), value_cache.view(f8)
+    ks: List[torch.Tensor] = []
+    vs: List[torch.Tensor] = []
+    for t in range(length):
+        blk = int(table_row[t // block_size])
+        off = t % block_size
+        ks.append(key_cache[blk, :, :, off, :].to(torch.float64).reshape(kv_heads, head_size))
+        vs.append(value_cache[blk, :, :, off].to(torch.float64))
+    if not ks:
+        empty = torch.zeros(0, kv_heads, head_size, dtype=torch.float64)
+        return empty, empty.clone()
+    k = torch.stack(ks)
+    v = torch.stack(vs)
+    if kv_cache_dtype != "auto":
+        k, v = k * k_scale, v * v_scale
+    return k, v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Sequence[int],
+           scale: float, alibi: Optional[torch.Tensor] = None,
+           window: Optional[int] = None) -> torch.Tensor:
+    """Plain softmax attention in float64 with causal mask by absolute position.
+
+    q [nq, H, D], k/v [nk, KVH, D] (key j at position j); returns [nq, H, D]; a query
+    that sees no key gets zeros.
+    """
+    nq, heads, d = q.shape
+    nk, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    out = torch.zeros(nq, heads, d, dtype=torch.float64)
+    if nk == 0:
+        return out
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.to(torch.float64), k) * scale
+    qp = torch.tensor(list(q_pos), dtype=torch.float64).view(1, nq, 1)
+    kp = torch.arange(nk, dtype=torch.float64).view(1, 1, nk)
+    if alibi is not None:
+        s = s + alibi.to(torch.float64).view(heads, 1, 1) * (kp - qp)
+    visible = kp <= qp
+    if window is not None:
+        visible = visible & (kp > qp - window)
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def ref_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+               alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
+    outs = []
+    for i in range(query.shape[0]):
+        n = int(seq_lens[i])
+        k, v = gather_seq(key_cache, value_cache, block_tables[i], n, kv_cache_dtype,
+                          k_scale, v_scale)
+        outs.append(attend(query[i:i + 1], k, v, [n - 1], scale, alibi_slopes))
+    return torch.cat(outs) if outs else torch.zeros(query.shape, dtype=torch.float64)
+
+
+def ref_prefix(query, key, value, key_cache, value_cache, block_tables, query_start_loc,
+               seq_lens, context_lens, scale, alibi_slopes=None, sliding_window=None,
+               kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    starts = [int(v) for v in query_start_loc]
+    for i in range(len(starts) - 1):
+        a, b = starts[i], starts[i + 1]
+        ctx = int(context_lens[i])
+        kc, vc = gather_seq(key_cache, value_cache, block_tables[i], ctx, kv_cache_dtype,
+                            k_scale, v_scale)
+        k = torch.cat([kc, key[a:b].to(torch.float64)])
+        v = torch.cat([vc, value[a:b].to(torch.float64)])
+        out[a:b] = attend(query[a:b], k, v, range(ctx, ctx + b - a), scale, alibi_slopes,
+                          sliding_window)
+    return out

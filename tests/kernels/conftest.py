@@ -1,0 +1,23 @@
+"""Kernels-layer test configuration: helper import path and markers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long-running tests")
+
+
+@pytest.fixture(params=["fast", "generic"])
+def layout(request, monkeypatch):
+    """Run a test under both tile layouts (CPU-tuned and the one used on GPUs)."""
+    from vllm_bi100_patch.kernels import _common
+
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", request.param)
+    return request.param

@@ -1,0 +1,196 @@
+"""paged_prefix against a dense float64 reference; tiling under the memory budget."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from bi100_kernel_ref import fp8_available, make_cache, make_tables, ref_prefix
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_bi100_patch.kernels import paged_prefix, prefix
+from vllm_bi100_patch.kernels._memtrack import PeakMemory
+
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _case(dtype, head_size, heads, kv_heads, block_size, contexts, news, *, seed=0,
+          kv_cache_dtype="auto", width=None):
+    g = torch.Generator().manual_seed(seed)
+    need = sum(math.ceil(c / block_size) for c in contexts)
+    num_blocks = need + 2
+    kc, vc = make_cache(num_blocks, kv_heads, head_size, block_size, dtype, kv_cache_dtype, g)
+    width = width or max([1] + [math.ceil(c / block_size) for c in contexts])
+    bt = make_tables(contexts, block_size, width, num_blocks, g)
+    n = sum(news)
+    q = torch.randn(n, heads, head_size, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, head_size, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, head_size, generator=g).to(dtype)
+    qsl = torch.tensor([0] + list(itertools.accumulate(news)), dtype=torch.int32)
+    sl = torch.tensor([c + m for c, m in zip(contexts, news)], dtype=torch.int32)
+    cl = torch.tensor(contexts, dtype=torch.int32)
+    return q, k, v, kc, vc, bt, qsl, sl, cl
+
+
+def _run(args, **kw):
+    return paged_prefix(*args, **kw)
+
+
+def _ref(args, scale, **kw):
+    return ref_prefix(*args, scale, **kw)
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.to(torch.float64), ref, atol=ATOL[dtype], rtol=0)
+
+
+CONTEXTS = [0, 1, 15, 16, 17, 40]
+NEWS = [5, 1, 16, 3, 17, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+def test_dtypes_head_sizes(dtype, head_size):
+    args = _case(dtype, head_size, 4, 2, 16, CONTEXTS, NEWS)
+    _check(_run(args), _ref(args, head_size ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_gqa_block_sizes(group, block_size, layout):
+    dtype = torch.bfloat16 if group % 2 else torch.float32
+    ctxs = [0, block_size - 1, block_size, block_size + 1, 3 * block_size]
+    news = [7, 1, block_size + 2, 4, 2]
+    args = _case(dtype, 64, 2 * group, 2, block_size, ctxs, news, seed=group)
+    _check(_run(args, scale=0.2), _ref(args, 0.2), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 4, 20, 10_000])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_sliding_window_and_alibi(window, alibi):
+    args = _case(torch.float32, 64, 4, 2, 8, [0, 30, 50], [12, 9, 25], seed=window)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    out = _run(args, sliding_window=window, alibi_slopes=slopes)
+    _check(out, _ref(args, 0.125, sliding_window=window, alibi_slopes=slopes), torch.float32)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_context(kv_cache_dtype):
+    if not fp8_available(kv_cache_dtype):
+        pytest.skip("torch has no float8 dtypes")
+    args = _case(torch.bfloat16, 64, 4, 2, 16, CONTEXTS, NEWS, kv_cache_dtype=kv_cache_dtype)
+    out = _run(args, kv_cache_dtype=kv_cache_dtype, k_scale=torch.tensor([0.5]), v_scale=2.0)
+    ref = _ref(args, 0.125, kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=2.0)
+    torch.testing.assert_close(out.double(), ref, atol=6e-2, rtol=0)
+
+
+def test_small_budget_tiles_queries_and_keys(layout):
+    # 1 MiB forces several query chunks and key tiles; the answer must not change.
+    args = _case(torch.float32, 128, 8, 2, 16, [400, 0, 33], [300, 90, 1], seed=5)
+    plan = prefix.prefix_plan(300, 400, 8, 2, 128, 16, 1 << 20, 4, 4)
+    assert plan.q_chunk < 300 and plan.k_tile < 700 and plan.peak_bytes <= 1 << 20
+    ref = _ref(args, 0.1, sliding_window=500)
+    _check(_run(args, scale=0.1, sliding_window=500, budget_mb=1), ref, torch.float32)
+    _check(_run(args, scale=0.1, sliding_window=500, budget_mb=256), ref, torch.float32)
+
+
+def test_budget_default_comes_from_config(monkeypatch):
+    seen = []
+    real = prefix.prefix_plan
+
+    def spy(*a, **kw):
+        seen.append(a[6])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prefix, "prefix_plan", spy)
+    monkeypatch.setenv("VLLM_BI100_PREFIX_BUDGET_MB", "3")
+    _run(_case(torch.float32, 64, 4, 2, 16, [20], [5]))
+    assert seen == [3 << 20]
+
+
+@pytest.mark.parametrize("budget_mb", [4, 16])
+def test_peak_memory_under_budget_and_flat_in_context(budget_mb):
+    peaks = []
+    for ctx in (2400, 4800):
+        args = _case(torch.bfloat16, 128, 8, 2, 16, [ctx], [128], seed=ctx)
+        with PeakMemory() as mem:
+            out = _run(args, budget_mb=budget_mb)
+        extra = mem.peak_bytes - out.untyped_storage().nbytes()
+        assert extra <= budget_mb << 20, (ctx, extra)
+        peaks.append(extra)
+    # Independent of the context length (same tiles, more of them).
+    assert peaks[1] <= peaks[0] * 1.25 + (64 << 10)
+
+
+def test_inputs_unmodified():
+    args = _case(torch.float32, 64, 4, 2, 16, CONTEXTS, NEWS, seed=11)
+    slopes = torch.rand(4)
+    before = [t.clone() for t in args] + [slopes.clone()]
+    _run(args, scale=0.3, alibi_slopes=slopes, sliding_window=7)
+    for a, b in zip(list(args) + [slopes], before):
+        assert torch.equal(a, b)
+
+
+def test_empty_batch_and_padding_rows():
+    args = list(_case(torch.float32, 64, 4, 2, 16, [3], [4]))
+    q, k, v = (torch.cat([t, torch.ones_like(t[:2])]) for t in args[:3])  # 2 padding rows
+    out = paged_prefix(q, k, v, *args[3:])
+    assert out.shape == q.shape and not out[4:].any()
+    empty = paged_prefix(q, k, v, args[3], args[4], args[5][:0], torch.zeros(1, dtype=torch.int32),
+                         args[7][:0], args[8][:0])
+    assert not empty.any()
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.__setitem__(7, a[7] + 1), r"seq_lens\[0\]=26 must equal context_lens\[0\]=20"),
+        (lambda a: a.__setitem__(5, a[5][:, :1]),
+         r"block_tables too short: context_lens\[0\]=20 needs 2 blocks"),
+        (lambda a: a.__setitem__(1, a[1][:, :1]), r"key must have shape \(11, 2, 64\)"),
+        (lambda a: a.__setitem__(2, a[2].double()), r"value dtype torch.float64 != query dtype"),
+        (lambda a: a.__setitem__(6, torch.tensor([0, 5, 99], dtype=torch.int32)),
+         r"query_start_loc must be non-decreasing within \[0, 11\]"),
+        (lambda a: a.__setitem__(0, a[0][:, :3]), r"num_heads 3 .* multiple of num_kv_heads 2"),
+        (lambda a: a[5].__setitem__((1, 0), -1), r"block_tables\[1, 0\] = -1 is out of range"),
+    ],
+)
+def test_value_errors(mutate, match):
+    args = list(_case(torch.float32, 64, 4, 2, 16, [20, 40], [5, 6]))
+    args[5] = args[5].clone()
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        paged_prefix(*args)
+
+
+def test_budget_and_window_errors():
+    args = _case(torch.float32, 64, 4, 2, 16, [20], [5])
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        paged_prefix(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="budget_mb must be >= 1"):
+        paged_prefix(*args, budget_mb=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    block_size=st.sampled_from([8, 16]),
+    seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), min_size=1, max_size=4),
+    window=st.one_of(st.none(), st.integers(1, 70)),
+    use_alibi=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(dtype, kv_heads, group, block_size, seqs, window,
+                                    use_alibi, seed):
+    contexts = [c for c, _ in seqs]
+    news = [n for _, n in seqs]
+    args = _case(dtype, 32, kv_heads * group, kv_heads, block_size, contexts, news, seed=seed)
+    slopes = torch.rand(kv_heads * group) if use_alibi else None
+    out = _run(args, sliding_window=window, alibi_slopes=slopes)
+    _check(out, _ref(args, 32 ** -0.5, sliding_window=window, alibi_slopes=slopes), dtype)

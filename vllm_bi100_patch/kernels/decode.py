@@ -1,0 +1,244 @@
+"""Pure-PyTorch paged decode attention (one new token per sequence).
+
+All sequences of the batch are processed together: the kernel walks the block table in
+tiles of ``tile_tokens`` positions (the same tiles for every sequence, padded to the widest
+one), gathers the tile's K/V blocks of the whole batch with one ``index_select`` each, and
+merges the tiles with an online softmax in float32.  There is no Python loop over
+sequences and no host synchronisation, so the call is CUDA-graph capturable and its Python
+call count depends on the context width only, not on ``num_seqs`` (see ``decode_tile_tokens``).
+
+Memory traffic per tile: one contiguous gather of whole cache blocks (``index_select`` in
+the native layout, the cheapest read of the x-split key layout), then one pass that
+converts to float32 *and* transposes to the matmul layout at the same time; the float32
+tiles are small enough to stay in cache on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import (
+    ScaleLike,
+    ceil_div,
+    check_alibi,
+    check_cache,
+    check_heads,
+    check_int_tensor,
+    fast_layout,
+    gather_keys,
+    gather_values,
+    gather_values_blocks,
+    scale_factor,
+)
+
+__all__ = ["decode_tile_tokens", "paged_decode"]
+
+#: Positions per tile when the batch is small (measured on CPU: 512-1024 is the sweet spot
+#: for 1-8 sequences of 8 KV heads x 128).
+DECODE_TILE_TOKENS = 512
+#: Upper bound on one tile's float32 K+V scratch; large batches get shorter tiles so the
+#: scratch stays bounded (the tile count then grows with the batch, never the per-call
+#: scratch).
+DECODE_TILE_BYTES = 64 << 20
+
+
+def decode_tile_tokens(num_seqs: int, num_kv_heads: int, head_size: int, block_size: int,
+                       width_tokens: int) -> int:
+    """Positions per decode tile: a multiple of ``block_size``.
+
+    ``DECODE_TILE_TOKENS`` (rounded up to whole blocks) unless the float32 K+V scratch of
+    one tile for the whole batch would exceed ``DECODE_TILE_BYTES``; never less than one
+    block, never more than the gathered width.
+    """
+    per_token = max(1, num_seqs) * num_kv_heads * head_size * 4 * 2
+    tokens = min(DECODE_TILE_TOKENS, max(1, DECODE_TILE_BYTES // per_token))
+    blocks = max(1, ceil_div(tokens, block_size))
+    return min(blocks * block_size, max(block_size, ceil_div(width_tokens, block_size)
+                                        * block_size))
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: ScaleLike = 1.0,
+    v_scale: ScaleLike = 1.0,
+    max_seq_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]``; float32, float16 or bfloat16.
+        key_cache: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``.
+        value_cache: ``[num_blocks, num_kv_heads, head_size, block_size]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` physical block ids.
+        seq_lens: ``[num_seqs]`` tokens in the cache per sequence (the query is the last).
+        scale: softmax scale applied to ``q . k``.
+        alibi_slopes: optional ``[num_heads]`` slopes; bias ``slope * (key_pos - query_pos)``.
+        kv_cache_dtype: ``"auto"`` (cache dtype == query dtype) or ``"fp8"``,
+            ``"fp8_e4m3"``, ``"fp8_e5m2"`` (uint8 cache dequantised with the scales).
+        k_scale, v_scale: fp8 dequantisation scales, floats or 1-element tensors; ignored
+            for ``"auto"`` as in vLLM.
+        max_seq_len: optional host upper bound on ``seq_lens``; the gather is sized from it
+            (capped at ``block_tables.shape[1]`` blocks) instead of from the table width
+            (no device sync either way).
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in the query's dtype; zeros for sequences of
+        length 0.  Inputs are never modified.
+
+    Raises:
+        ValueError: shapes, dtypes or head counts that disagree; for CPU tensors also a
+            block table too short for ``seq_lens`` and block ids out of range (on devices
+            these value checks would need a host sync, so they are skipped there).
+        NotImplementedError: an fp8 cache on a torch without float8 dtypes.
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError("query must be 3-D [num_seqs, num_heads, head_size], got shape "
+                         f"{tuple(getattr(query, 'shape', ()))}")
+    num_seqs, num_heads, head_size = query.shape
+    spec = check_cache(key_cache, value_cache, query.dtype, kv_cache_dtype)
+    group = check_heads(num_heads, head_size, spec)
+    check_int_tensor(block_tables, "block_tables", (num_seqs, None))
+    check_int_tensor(seq_lens, "seq_lens", (num_seqs,))
+    check_alibi(alibi_slopes, num_heads)
+    for name, t in (("key_cache", key_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+
+    block_size = spec.block_size
+    table_width = block_tables.shape[1]
+    if max_seq_len is not None:
+        max_seq_len = int(max_seq_len)
+        if max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+        # An inflated bound (vLLM passes max_seq_len_to_capture under CUDA graphs) never
+        # widens the gather past the table.
+        width = min(ceil_div(max_seq_len, block_size), table_width)
+    else:
+        width = table_width
+    if query.device.type == "cpu":
+        _check_values_cpu(block_tables, seq_lens, width, block_size, spec.num_blocks,
+                          max_seq_len)
+
+    out = torch.zeros_like(query)
+    if num_seqs == 0 or width == 0:
+        return out
+
+    kv_heads = spec.num_kv_heads
+    device = query.device
+    seq_lens_i = seq_lens.to(torch.int64)
+    # Block ids past a sequence's end may be padding (garbage): read block 0 instead.
+    block_start = torch.arange(width, device=device, dtype=torch.int64) * block_size
+    used = block_start.unsqueeze(0) < seq_lens_i.unsqueeze(1)
+    safe_tables = torch.where(used, block_tables[:, :width].to(torch.int64),
+                              torch.zeros((), dtype=torch.int64, device=device))
+
+    # Query in float32, pre-scaled (a new tensor: the input is left alone).
+    q_scale = scale_factor(scale, "scale")
+    if spec.fp8:
+        q_scale = q_scale * scale_factor(k_scale, "k_scale")
+    qf = (query.to(torch.float32) * q_scale).view(num_seqs, kv_heads, group, head_size)
+
+    slopes: Optional[torch.Tensor] = None
+    last_pos: Optional[torch.Tensor] = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=device, dtype=torch.float32).view(
+            1, kv_heads, group, 1)
+        last_pos = (seq_lens_i - 1).to(torch.float32).view(num_seqs, 1, 1, 1)
+
+    tile = decode_tile_tokens(num_seqs, kv_heads, head_size, block_size,
+                              width * block_size)
+    tile_blocks = tile // block_size
+    offsets = torch.arange(tile, device=device, dtype=torch.int64)
+    blockwise_values = fast_layout(device)
+
+    stats_shape = (num_seqs, kv_heads, group, 1)
+    m = torch.full(stats_shape, -math.inf, dtype=torch.float32, device=device)
+    l_sum = torch.zeros(stats_shape, dtype=torch.float32, device=device)
+    acc = torch.zeros((num_seqs, kv_heads, group, head_size), dtype=torch.float32,
+                      device=device)
+
+    for w0 in range(0, width, tile_blocks):
+        n = min(tile_blocks, width - w0)
+        tokens = n * block_size
+        ids = safe_tables[:, w0:w0 + n].reshape(-1)
+
+        keys = gather_keys(key_cache, ids, num_seqs, n, spec)  # [S, kv, tokens, D]
+        scores = torch.matmul(qf, keys.transpose(-1, -2))  # [S, kv, group, tokens]
+        del keys
+
+        pos = offsets[:tokens] + w0 * block_size
+        if slopes is not None and last_pos is not None:
+            scores.add_(slopes * (pos.to(torch.float32).view(1, 1, 1, tokens) - last_pos))
+        beyond = pos.unsqueeze(0) >= seq_lens_i.unsqueeze(1)  # [num_seqs, tokens]
+        scores.masked_fill_(beyond.view(num_seqs, 1, 1, tokens), -math.inf)
+
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        probs = scores.sub_(m_safe).exp_()
+        corr = torch.exp(m - m_safe)
+        l_sum.mul_(corr).add_(probs.sum(dim=-1, keepdim=True))
+        acc.mul_(corr)
+        m = m_new
+
+        if blockwise_values:
+            # Per block: [group, bs] @ [bs, D] against the native [D, bs] block (a
+            # transposed view, no copy), then sum the blocks of the tile.
+            values = gather_values_blocks(value_cache, ids, num_seqs, n, spec)
+            p_blocks = probs.view(num_seqs, kv_heads, group, n, block_size).permute(
+                0, 3, 1, 2, 4)
+            acc.add_(torch.matmul(p_blocks, values.transpose(-1, -2)).sum(dim=1))
+        else:
+            values = gather_values(value_cache, ids, num_seqs, n, spec)
+            acc.view(num_seqs * kv_heads, group, head_size).baddbmm_(
+                probs.view(num_seqs * kv_heads, group, tokens),
+                values.view(num_seqs * kv_heads, tokens, head_size))
+        del values, probs, scores
+
+    # l_sum >= 1 wherever a key was visible; 0 (acc 0 too) for empty sequences.
+    result = acc / l_sum.clamp_min(1e-30)
+    if spec.fp8:
+        result = result * scale_factor(v_scale, "v_scale")
+    out.copy_(result.view(num_seqs, num_heads, head_size))
+    return out
+
+
+def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int,
+                      block_size: int, num_blocks: int, max_seq_len: Optional[int]) -> None:
+    """Value checks that are free on CPU tensors (skipped on devices: they would sync)."""
+    if seq_lens.numel() == 0:
+        return
+    longest = int(seq_lens.max())
+    shortest = int(seq_lens.min())
+    if shortest < 0:
+        raise ValueError(f"seq_lens must be >= 0, got min {shortest}")
+    if max_seq_len is not None and longest > max_seq_len:
+        raise ValueError(f"seq_lens max {longest} exceeds max_seq_len={max_seq_len}")
+    if longest > width * block_size:
+        raise ValueError(
+            f"block_tables too short: seq_lens max {longest} needs "
+            f"{ceil_div(longest, block_size)} blocks of {block_size}, block_tables has "
+            f"{block_tables.shape[1]} columns")
+    needed = ceil_div(longest, block_size)
+    if needed == 0:
+        return
+    used = (torch.arange(needed).unsqueeze(0) * block_size
+            < seq_lens.to(torch.int64).unsqueeze(1))
+    ids = block_tables[:, :needed].to(torch.int64)
+    bad = used & ((ids < 0) | (ids >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables[{row}, {col}] = {int(ids[row, col])} is out of range for a cache "
+            f"of {num_blocks} blocks")

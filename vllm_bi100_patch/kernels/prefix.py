@@ -1,0 +1,355 @@
+"""Pure-PyTorch prefix (chunked-prefill) attention over a paged KV cache.
+
+Replaces vLLM's Triton ``context_attention_fwd``, which hangs Iluvatar BI-V100 cards.  For
+each sequence, its new tokens attend causally to the sequence's cached context (read from
+the paged cache) and to the new tokens up to themselves (read from ``key``/``value``).
+
+The work is tiled: queries in chunks of ``q_chunk`` tokens, keys in tiles of ``k_tile``
+tokens, merged with an online softmax in float32, so that the peak extra memory stays under
+``budget_mb`` whatever the context length (see ``prefix_plan``).  Key tiles that a chunk
+cannot see (outside its sliding window) are skipped, and the causal/window mask is only
+built for tiles that need one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional
+
+import torch
+
+from .. import config
+from ._common import (
+    CacheSpec,
+    ScaleLike,
+    ceil_div,
+    check_alibi,
+    check_cache,
+    check_heads,
+    check_int_tensor,
+    gather_keys,
+    gather_values,
+    scale_factor,
+)
+
+__all__ = ["PrefixPlan", "paged_prefix", "prefix_plan"]
+
+#: Never tile keys finer than this many tokens unless the budget forces it (launch count).
+_MIN_K_TILE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPlan:
+    """Tiling of one sequence: query chunk and key tile sizes (tokens), and the estimate
+    of the peak extra bytes it needs (float32 working set, excluding the output)."""
+
+    q_chunk: int
+    k_tile: int
+    peak_bytes: int
+
+
+def _plan_bytes(q_chunk: int, k_tile: int, num_heads: int, num_kv_heads: int,
+                head_size: int, cache_elem: int, query_elem: int) -> int:
+    """Peak extra bytes of one (query chunk, key tile) step, counted generously.
+
+    Held per chunk: the float32 query and accumulator, running max and sum, the query
+    slice's float32 copy and the result before its dtype cast.  Per key tile: the float32
+    scores (plus one same-sized temporary for a broadcast mask or bias), the float32 K/V
+    tiles with their transposed copies, and the raw gathered blocks.
+    """
+    rows = num_heads * q_chunk
+    held = rows * head_size * 4 * 4 + rows * 4 * 4 + rows * head_size * query_elem
+    scores = rows * k_tile * 4 * 2 + q_chunk * k_tile * 8
+    kv = num_kv_heads * k_tile * head_size * (4 * 2 * 2 + cache_elem * 2)
+    return held + scores + kv
+
+
+def prefix_plan(q_len: int, context_len: int, num_heads: int, num_kv_heads: int,
+                head_size: int, block_size: int, budget_bytes: int, cache_elem: int = 2,
+                query_elem: int = 2) -> PrefixPlan:
+    """Choose ``(q_chunk, k_tile)`` so that one step's working set fits ``budget_bytes``.
+
+    Prefers all queries in one chunk and key tiles of at least ``_MIN_K_TILE`` tokens
+    (whole blocks); shrinks the query chunk first, then the key tile, down to one token /
+    one block.  ``peak_bytes`` may exceed the budget only when even that minimum does not
+    fit (a budget below a few MiB), which is logged by the caller.
+    """
+    total = max(1, context_len + q_len)
+    q_chunk = max(1, q_len)
+    min_tile = min(max(block_size, _MIN_K_TILE // block_size * block_size),
+                   ceil_div(total, block_size) * block_size)
+
+    def tile_for(chunk: int) -> int:
+        fixed = _plan_bytes(chunk, 0, num_heads, num_kv_heads, head_size, cache_elem,
+                            query_elem)
+        per_token = (_plan_bytes(chunk, block_size, num_heads, num_kv_heads, head_size,
+                                 cache_elem, query_elem) - fixed) / block_size
+        room = budget_bytes - fixed
+        if room <= 0:
+            return 0
+        tokens = int(room // per_token) // block_size * block_size
+        return min(tokens, ceil_div(total, block_size) * block_size)
+
+    tile = tile_for(q_chunk)
+    while tile < min_tile and q_chunk > 1:
+        q_chunk = ceil_div(q_chunk, 2)
+        tile = tile_for(q_chunk)
+    tile = max(tile, block_size)
+    peak = _plan_bytes(q_chunk, tile, num_heads, num_kv_heads, head_size, cache_elem,
+                       query_elem)
+    return PrefixPlan(q_chunk=q_chunk, k_tile=tile, peak_bytes=peak)
+
+
+def paged_prefix(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sliding_window: Optional[int] = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: ScaleLike = 1.0,
+    v_scale: ScaleLike = 1.0,
+    budget_mb: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their cached context plus themselves.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]`` new tokens of all sequences, packed.
+        key, value: ``[num_tokens, num_kv_heads, head_size]`` the new tokens' K/V (not
+            read back from the cache).
+        key_cache, value_cache: the paged caches in vLLM's layout.
+        block_tables: ``[batch, max_blocks]`` physical block ids per sequence.
+        query_start_loc: ``[batch + 1]`` offsets of each sequence's tokens in ``query``.
+        seq_lens: ``[batch]`` context + new tokens per sequence.
+        context_lens: ``[batch]`` tokens already in the cache per sequence.
+        scale: softmax scale; ``None`` means ``head_size ** -0.5``.
+        alibi_slopes: optional ``[num_heads]``; bias ``slope * (key_pos - query_pos)``.
+        sliding_window: a query at position ``p`` sees keys at positions ``> p - window``.
+        kv_cache_dtype, k_scale, v_scale: as in ``paged_decode`` (scales apply to the
+            cached context of fp8 caches only; the new tokens are not quantised).
+        budget_mb: peak extra memory per call; default ``VLLM_BI100_PREFIX_BUDGET_MB``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in the query's dtype.  Rows not covered by
+        ``query_start_loc`` are zeros.
+
+    Raises:
+        ValueError: disagreeing shapes/dtypes, ``seq_lens != context_lens + new tokens``,
+            a block table too short for a context, block ids out of range (CPU only).
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError("query must be 3-D [num_tokens, num_heads, head_size], got shape "
+                         f"{tuple(getattr(query, 'shape', ()))}")
+    num_tokens, num_heads, head_size = query.shape
+    spec = check_cache(key_cache, value_cache, query.dtype, kv_cache_dtype)
+    group = check_heads(num_heads, head_size, spec)
+    kv_shape = (num_tokens, spec.num_kv_heads, head_size)
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != kv_shape:
+            raise ValueError(f"{name} must have shape {kv_shape} [num_tokens, num_kv_heads, "
+                             f"head_size], got {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+    check_int_tensor(query_start_loc, "query_start_loc", (None,))
+    batch = query_start_loc.shape[0] - 1
+    if batch < 0:
+        raise ValueError("query_start_loc must have batch + 1 >= 1 entries, got shape "
+                         f"{tuple(query_start_loc.shape)}")
+    check_int_tensor(block_tables, "block_tables", (batch, None))
+    check_int_tensor(seq_lens, "seq_lens", (batch,))
+    check_int_tensor(context_lens, "context_lens", (batch,))
+    check_alibi(alibi_slopes, num_heads)
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    window = None if sliding_window is None else int(sliding_window)
+    q_scale = scale_factor(head_size ** -0.5 if scale is None else scale, "scale")
+    if budget_mb is None:
+        budget_mb = config.load().prefix_budget_mb
+    if int(budget_mb) < 1:
+        raise ValueError(f"budget_mb must be >= 1, got {budget_mb}")
+    budget = int(budget_mb) << 20
+
+    # One host read of the small index tensors per call (needed to slice per sequence).
+    starts: List[int] = query_start_loc.tolist()
+    contexts: List[int] = context_lens.tolist()
+    totals: List[int] = seq_lens.tolist()
+    table_width = block_tables.shape[1]
+    block_size = spec.block_size
+    for i in range(batch):
+        q_len = starts[i + 1] - starts[i]
+        if starts[i] < 0 or q_len < 0 or starts[i + 1] > num_tokens:
+            raise ValueError(
+                f"query_start_loc must be non-decreasing within [0, {num_tokens}], got "
+                f"{starts}")
+        if contexts[i] < 0 or totals[i] != contexts[i] + q_len:
+            raise ValueError(
+                f"seq_lens[{i}]={totals[i]} must equal context_lens[{i}]={contexts[i]} + "
+                f"new tokens {q_len} (from query_start_loc)")
+        if contexts[i] > table_width * block_size:
+            raise ValueError(
+                f"block_tables too short: context_lens[{i}]={contexts[i]} needs "
+                f"{ceil_div(contexts[i], block_size)} blocks of {block_size}, block_tables "
+                f"has {table_width} columns")
+    if query.device.type == "cpu" and batch > 0:
+        _check_block_ids(block_tables, contexts, block_size, spec.num_blocks)
+
+    k_mult = v_mult = None
+    if spec.fp8:
+        k_mult = scale_factor(k_scale, "k_scale")
+        v_mult = scale_factor(v_scale, "v_scale")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).view(
+            spec.num_kv_heads, group, 1, 1)
+
+    out = torch.zeros_like(query)
+    for i in range(batch):
+        start, q_len, ctx = starts[i], starts[i + 1] - starts[i], contexts[i]
+        if q_len == 0:
+            continue
+        plan = prefix_plan(q_len, ctx, num_heads, spec.num_kv_heads, head_size, block_size,
+                           budget, key_cache.element_size(), query.element_size())
+        if plan.peak_bytes > budget:
+            _log_over_budget(plan, budget)
+        seq = _Sequence(query, key, value, key_cache, value_cache, block_tables[i], spec,
+                        start, q_len, ctx, window, slopes, k_mult, v_mult)
+        for c0 in range(0, q_len, plan.q_chunk):
+            c1 = min(q_len, c0 + plan.q_chunk)
+            out[start + c0:start + c1] = seq.attend_chunk(c0, c1, q_scale, plan.k_tile)
+    return out
+
+
+class _Sequence:
+    """The per-sequence state of ``paged_prefix``: where its K/V and queries live."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+                 spec: CacheSpec, start: int, q_len: int, ctx: int, window: Optional[int],
+                 slopes: Optional[torch.Tensor], k_mult: Optional[ScaleLike],
+                 v_mult: Optional[ScaleLike]) -> None:
+        self.query, self.key, self.value = query, key, value
+        self.key_cache, self.value_cache = key_cache, value_cache
+        self.table = table.to(torch.int64)
+        self.spec = spec
+        self.start, self.q_len, self.ctx = start, q_len, ctx
+        self.window, self.slopes = window, slopes
+        self.k_mult, self.v_mult = k_mult, v_mult
+        self.kv_heads = spec.num_kv_heads
+        self.group = query.shape[1] // spec.num_kv_heads
+        self.device = query.device
+
+    def attend_chunk(self, c0: int, c1: int, q_scale: ScaleLike, k_tile: int) -> torch.Tensor:
+        """Output rows ``[c0, c1)`` of this sequence, ``[c1 - c0, num_heads, head_size]``."""
+        kv, group, d = self.kv_heads, self.group, self.spec.head_size
+        n_q = c1 - c0
+        q_rows = self.query[self.start + c0:self.start + c1]
+        qf = (q_rows.to(torch.float32) * q_scale).view(n_q, kv, group, d)
+        qf = qf.permute(1, 2, 0, 3).reshape(kv, group * n_q, d)
+        q_first = self.ctx + c0  # absolute position of the chunk's first query
+        q_last = self.ctx + c1 - 1
+        self.q_pos = torch.arange(q_first, q_last + 1, device=self.device,
+                                  dtype=torch.int64)
+        self.m = torch.full((kv, group * n_q, 1), -math.inf, dtype=torch.float32,
+                            device=self.device)
+        self.l_sum = torch.zeros_like(self.m)
+        self.acc = torch.zeros((kv, group * n_q, d), dtype=torch.float32, device=self.device)
+        self.q_first, self.q_last, self.n_q = q_first, q_last, n_q
+
+        lo = 0 if self.window is None else max(0, q_first - self.window + 1)
+        hi = q_last + 1
+        bs = self.spec.block_size
+        # Cached context: block-aligned tiles over [lo, ctx).
+        ctx_end = min(self.ctx, hi)
+        for t0 in range(lo // bs * bs, ctx_end, k_tile):
+            t1 = min(t0 + k_tile, ctx_end)
+            self._context_tile(qf, t0, t1)
+        # New tokens: [max(lo, ctx), hi) from key/value.
+        for t0 in range(max(lo, self.ctx), hi, k_tile):
+            t1 = min(t0 + k_tile, hi)
+            a = self.start + t0 - self.ctx
+            b = self.start + t1 - self.ctx
+            keys = self.key[a:b].to(torch.float32).transpose(0, 1)  # [kv, T, D]
+            values = self.value[a:b].to(torch.float32).transpose(0, 1)
+            self._update(qf, keys, values, t0, t1)
+
+        result = self.acc / self.l_sum.clamp_min(1e-30)
+        del self.acc, self.m, self.l_sum
+        return result.view(kv, group, n_q, d).permute(2, 0, 1, 3).reshape(
+            n_q, kv * group, d).to(self.query.dtype)
+
+    def _context_tile(self, qf: torch.Tensor, t0: int, t1: int) -> None:
+        bs = self.spec.block_size
+        b0, b1 = t0 // bs, ceil_div(t1, bs)
+        ids = self.table[b0:b1]
+        n = b1 - b0
+        keys = gather_keys(self.key_cache, ids, 1, n, self.spec)[0]
+        values = gather_values(self.value_cache, ids, 1, n, self.spec)[0]
+        lead = t0 - b0 * bs
+        keys = keys[:, lead:lead + t1 - t0]
+        values = values[:, lead:lead + t1 - t0]
+        if self.k_mult is not None:
+            keys = keys * self.k_mult
+        if self.v_mult is not None:
+            values = values * self.v_mult
+        self._update(qf, keys, values, t0, t1)
+
+    def _update(self, qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int,
+                k1: int) -> None:
+        """Online-softmax merge of key positions ``[k0, k1)`` into the chunk's state."""
+        kv, group, n_q = self.kv_heads, self.group, self.n_q
+        tokens = k1 - k0
+        scores = torch.bmm(qf, keys.transpose(1, 2))  # [kv, group * n_q, T]
+        view = scores.view(kv, group, n_q, tokens)
+        needs_causal = k1 - 1 > self.q_first
+        needs_window = self.window is not None and k0 <= self.q_last - self.window
+        if self.slopes is not None or needs_causal or needs_window:
+            k_pos = torch.arange(k0, k1, device=self.device, dtype=torch.int64)
+            rel = k_pos.view(1, tokens) - self.q_pos.view(n_q, 1)  # key_pos - query_pos
+            if self.slopes is not None:
+                view.addcmul_(self.slopes, rel.to(torch.float32).view(1, 1, n_q, tokens))
+            if needs_causal or needs_window:
+                hidden = rel > 0
+                if self.window is not None:
+                    hidden |= rel <= -self.window
+                view.masked_fill_(hidden.view(1, 1, n_q, tokens), -math.inf)
+
+        m_new = torch.maximum(self.m, scores.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        probs = scores.sub_(m_safe).exp_()
+        corr = torch.exp(self.m - m_safe)
+        self.l_sum.mul_(corr).add_(probs.sum(dim=-1, keepdim=True))
+        self.acc.mul_(corr).baddbmm_(probs, values)
+        self.m = m_new
+
+
+def _check_block_ids(block_tables: torch.Tensor, contexts: List[int], block_size: int,
+                     num_blocks: int) -> None:
+    """Block ids a context uses must exist in the cache (CPU tensors: free to check)."""
+    for i, ctx in enumerate(contexts):
+        n = ceil_div(ctx, block_size)
+        if n == 0:
+            continue
+        ids = block_tables[i, :n]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            col = int((ids == bad).nonzero()[0, 0])
+            raise ValueError(f"block_tables[{i}, {col}] = {bad} is out of range for a cache "
+                             f"of {num_blocks} blocks")
+
+
+def _log_over_budget(plan: PrefixPlan, budget: int) -> None:
+    from ._common import logger
+
+    logger.warning(
+        "paged_prefix: budget %d MiB is below the minimum working set (%.1f MiB for one "
+        "query and one block); using the minimum", budget >> 20, plan.peak_bytes / 2**20)
