@@ -9,7 +9,7 @@ import os
 import textwrap
 
 import pytest
-from conftest import (
+from shimtest import (
     ROOT,
     TEST_DEPS_SITE,
     reports,

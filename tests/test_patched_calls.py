@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import FAMILY_VERSIONS
+from shimtest import FAMILY_VERSIONS
 from reference import decode_ref, empty_caches, prefix_ref, write
 
 from vllm_bi100_patch import config, hardware, registry, versions

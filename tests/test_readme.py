@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from shimtest import ROOT
 
 from vllm_bi100_patch import versions
 

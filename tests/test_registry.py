@@ -3,7 +3,7 @@
 import logging
 
 import pytest
-from conftest import FAMILY_VERSIONS
+from shimtest import FAMILY_VERSIONS
 
 from vllm_bi100_patch import config, registry, versions
 
