@@ -71,7 +71,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
-    session.install(TORCH, *TEST_DEPS, "setuptools>=61", "wheel")
+    session.install(TORCH, "numpy", *TEST_DEPS, "setuptools>=61", "wheel")
     _pytest(session, "-m", "not real_vllm and not serve", "-q", *session.posargs)
 
 

@@ -299,3 +299,29 @@ def test_invalid_configuration_never_breaks_the_host(shim_venv, fake_root):
     result = reports(proc)[0]
     assert result["patched"]["forward_decode"] is False and result["prefix"] == "real"
     assert "VLLM_BI100_PATCH='maybe' is invalid" in proc.stderr
+
+
+def test_doctor_reports_checks_and_exit_code(shim_venv, fake_root):
+    import subprocess
+
+    script = os.path.join(os.path.dirname(shim_venv), "vllm-bi100-patch")
+    env = dict(os.environ, **_venv_env(fake_root))
+    ok = subprocess.run([script, "doctor"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for line in ("[ok  ] code check forward_decode: family v0.5.5", "[ok  ] .pth:",
+                 "[ok  ] sitecustomize:", "[ok  ] entry point:", "would activate"):
+        assert line in ok.stdout, ok.stdout
+    off = subprocess.run([script, "doctor"], env=dict(env, VLLM_BI100_PATCH="0"),
+                         capture_output=True, text=True)
+    assert off.returncode == 1 and "[FAIL] mode" in off.stdout and "would NOT activate" in off.stdout
+    fam = "0.6.3"
+    renamed = os.path.join(os.path.dirname(fake_root), "renamed")
+    from fakes.fake_vllm import write_fake_vllm as write
+    from vllm_bi100_patch import versions
+
+    params = tuple("seqlens" if p == "seq_lens" else p
+                   for p in versions.family_for(versions.VersionInfo(fam)).decode_params)
+    write(renamed, fam, decode_params=params)
+    bad = subprocess.run([script, "doctor"], env=dict(env, PYTHONPATH=renamed),
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "[FAIL] code check forward_decode" in bad.stdout
