@@ -86,7 +86,7 @@ def make_paged(lens: Sequence[int], dtype: torch.dtype, device: str, seed: int =
 def find_native_ops(device: str) -> Tuple[Optional[Any], str]:
     """``vllm._custom_ops`` when its ``paged_attention_v1`` really runs here."""
     try:
-        import vllm._custom_ops as ops  # noqa: F401  (optional; never a dependency)
+        import vllm._custom_ops as ops  # optional; never a dependency
     except Exception as exc:  # ImportError, or a broken build raising anything
         return None, f"vllm._custom_ops not importable ({type(exc).__name__})"
     if not hasattr(ops, "paged_attention_v1"):
