@@ -86,7 +86,7 @@ def make_paged(lens: Sequence[int], dtype: torch.dtype, device: str, seed: int =
 def find_native_ops(device: str) -> Tuple[Optional[Any], str]:
     """``vllm._custom_ops`` when its ``paged_attention_v1`` really runs here."""
     try:
-        import vllm._custom_ops as ops  # noqa: F401  (optional; never a dependency)
+        import vllm._custom_ops as ops  # optional; never a dependency
     except Exception as exc:  # ImportError, or a broken build raising anything
         return None, f"vllm._custom_ops not importable ({type(exc).__name__})"
     if not hasattr(ops, "paged_attention_v1"):
@@ -279,7 +279,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = args.device
     dtype = DTYPES[args.dtype]

@@ -94,15 +94,7 @@ def seed_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         l_sum = torch.zeros_like(m)
         o = torch.zeros((num_kv_heads, gqa, q_len, head_dim), dtype=torch.float32, device=dev)
 
-        def update(s: torch.Tensor, v_t: torch.Tensor) -> None:
-            nonlocal m
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            p = (s - m_new.unsqueeze(-1)).exp_()
-            corr = torch.exp(m - m_new)
-            m = m_new
-            l_sum.mul_(corr).add_(p.sum(dim=-1))
-            o.mul_(corr.unsqueeze(-1)).add_(torch.matmul(p, v_t))
-
+        state = [m, l_sum, o]
         per_tile = tile // block_size
         nctx = (ctx + block_size - 1) // block_size
         for b0 in range(0, nctx, per_tile):
@@ -115,7 +107,7 @@ def seed_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             valid = min(b1 * block_size, ctx) - b0 * block_size
             k_t = k_tile[:valid].permute(1, 0, 2).unsqueeze(1).transpose(-1, -2).float()
             v_t = v_tile[:valid].permute(1, 0, 2).unsqueeze(1).float()
-            update(torch.matmul(q, k_t), v_t)
+            _merge(state, torch.matmul(q, k_t), v_t)
         for c0 in range(0, q_len, tile):
             c1 = min(c0 + tile, q_len)
             k_t = k_i[c0:c1].permute(1, 0, 2).unsqueeze(1).transpose(-1, -2).float()
@@ -124,9 +116,21 @@ def seed_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             mask = (torch.arange(c0, c1, device=dev).unsqueeze(0)
                     > torch.arange(q_len, device=dev).unsqueeze(1))
             s.masked_fill_(mask, float("-inf"))
-            update(s, v_t)
+            _merge(state, s, v_t)
+        m, l_sum, o = state
         o.div_(l_sum.unsqueeze(-1))
         output[q0:q1] = o.view(num_heads, q_len, head_dim).permute(1, 0, 2).to(query.dtype)
     return output
 
 
+
+
+def _merge(state: list, s: torch.Tensor, v_t: torch.Tensor) -> None:
+    """The seed's online-softmax update of ``[m, l, o]`` with one tile of scores."""
+    m, l_sum, o = state
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    p = (s - m_new.unsqueeze(-1)).exp_()
+    corr = torch.exp(m - m_new)
+    state[0] = m_new
+    l_sum.mul_(corr).add_(p.sum(dim=-1))
+    o.mul_(corr.unsqueeze(-1)).add_(torch.matmul(p, v_t))

@@ -194,6 +194,9 @@ def test_tile_scratch_bounded_for_huge_batches():
     assert 4096 * 8 * 128 * 4 * 2 * tile <= max(decode_mod.DECODE_TILE_BYTES,
                                                  4096 * 8 * 128 * 4 * 2 * 16)
     assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 100) == 112
+    assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 4096) == 512
+    assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 32768) == 2048  # at most 16 tiles
+    assert decode_mod.decode_tile_tokens(4, 8, 128, 16, 32768) == 2048  # same for a batch
 
 
 @pytest.mark.parametrize(

@@ -90,12 +90,12 @@ def test_fp8_context(kv_cache_dtype):
 
 def test_small_budget_tiles_queries_and_keys(layout):
     # 1 MiB forces several query chunks and key tiles; the answer must not change.
-    args = _case(torch.float32, 128, 8, 2, 16, [400, 0, 33], [300, 90, 1], seed=5)
-    plan = prefix.prefix_plan(300, 400, 8, 2, 128, 16, 1 << 20, 4, 4)
-    assert plan.q_chunk < 300 and plan.k_tile < 700 and plan.peak_bytes <= 1 << 20
-    ref = _ref(args, 0.1, sliding_window=500)
-    _check(_run(args, scale=0.1, sliding_window=500, budget_mb=1), ref, torch.float32)
-    _check(_run(args, scale=0.1, sliding_window=500, budget_mb=256), ref, torch.float32)
+    args = _case(torch.float32, 64, 8, 2, 16, [240, 0, 33], [160, 40, 1], seed=5)
+    plan = prefix.prefix_plan(160, 240, 8, 2, 64, 16, 1 << 20, 4, 4)
+    assert plan.q_chunk < 160 and plan.k_tile < 400 and plan.peak_bytes <= 1 << 20
+    ref = _ref(args, 0.1, sliding_window=300)
+    _check(_run(args, scale=0.1, sliding_window=300, budget_mb=1), ref, torch.float32)
+    _check(_run(args, scale=0.1, sliding_window=300, budget_mb=256), ref, torch.float32)
 
 
 def test_budget_default_comes_from_config(monkeypatch):

@@ -36,12 +36,14 @@ from ._common import (
 
 __all__ = ["decode_tile_tokens", "paged_decode"]
 
-#: Positions per tile when the batch is small (measured on CPU: 512-1024 is the sweet spot
-#: for 1-8 sequences of 8 KV heads x 128).
+#: Minimum positions per tile (measured on CPU: 512-1024 is the sweet spot for 1-8
+#: sequences of 8 KV heads x 128 on an idle machine).
 DECODE_TILE_TOKENS = 512
+#: Long contexts use at most this many tiles: fewer, larger operations (each one is a
+#: parallel region; under CPU contention every region costs a scheduling delay).
+DECODE_MAX_TILES = 16
 #: Upper bound on one tile's float32 K+V scratch; large batches get shorter tiles so the
-#: scratch stays bounded (the tile count then grows with the batch, never the per-call
-#: scratch).
+#: scratch stays bounded (only then does the tile count grow with the batch).
 DECODE_TILE_BYTES = 64 << 20
 
 
@@ -49,12 +51,14 @@ def decode_tile_tokens(num_seqs: int, num_kv_heads: int, head_size: int, block_s
                        width_tokens: int) -> int:
     """Positions per decode tile: a multiple of ``block_size``.
 
-    ``DECODE_TILE_TOKENS`` (rounded up to whole blocks) unless the float32 K+V scratch of
-    one tile for the whole batch would exceed ``DECODE_TILE_BYTES``; never less than one
-    block, never more than the gathered width.
+    ``max(DECODE_TILE_TOKENS, width / DECODE_MAX_TILES)`` (whole blocks), which depends on
+    the context width only, unless the float32 K+V scratch of one tile for the whole batch
+    would exceed ``DECODE_TILE_BYTES``; never less than one block, never more than the
+    gathered width.
     """
     per_token = max(1, num_seqs) * num_kv_heads * head_size * 4 * 2
-    tokens = min(DECODE_TILE_TOKENS, max(1, DECODE_TILE_BYTES // per_token))
+    tokens = max(DECODE_TILE_TOKENS, ceil_div(width_tokens, DECODE_MAX_TILES))
+    tokens = min(tokens, max(1, DECODE_TILE_BYTES // per_token))
     blocks = max(1, ceil_div(tokens, block_size))
     return min(blocks * block_size, max(block_size, ceil_div(width_tokens, block_size)
                                         * block_size))
