@@ -182,7 +182,7 @@ def mode_killswitch():
     st = shim.apply()
     emit(patched=patched_state(cls) if cls and "forward_decode" in vars(cls) else None,
          prefix=prefix_state(), status=st, finders=[type(f).__module__ for f in sys.meta_path],
-         has_pa_triton=vars(pa).get("HAS_TRITON") if pa else None)
+         binds_triton=bool(pa) and "context_attention_fwd" in vars(pa))
 
 
 def _child(q):
