@@ -19,6 +19,12 @@ Prints one table (medians of interleaved repeats, all measured side by side in t
   dispatch-mode tracker (``vllm_bi100_patch.kernels._memtrack``; torch has no CPU allocator
   statistics and tracemalloc does not see torch), in a separate untimed run.
 
+CPU contention note: with the default OpenMP wait policy, idle OpenMP workers spin; on a
+machine shared with other busy processes this starves the calling thread and penalises code
+made of many short parallel operations (the paged kernels) far more than one long fused
+kernel (SDPA).  ``--omp-passive`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (the
+header prints the policy in force) so both can be compared under the same policy.
+
 Also writes ``results.json`` and ``decode_vs_context.png`` (time vs context length for the
 fallback, SDPA, the seed baseline and the native kernels; skipped without matplotlib)
 into ``--out``.  ``--quick`` uses small shapes (seconds), ``--device cuda`` runs on a GPU.
@@ -35,8 +41,11 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-import torch.nn.functional as F
+if "--omp-passive" in sys.argv:  # must precede the torch import (libgomp reads it at load)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -279,6 +288,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="OMP_WAIT_POLICY=PASSIVE (set before torch is imported)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
@@ -303,7 +314,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = read_bandwidth(device, repeats)
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch={torch.__version__} heads={HEADS}/{KV_HEADS} head_size={HEAD_SIZE} "
-          f"block={BLOCK} repeats={repeats} (medians, interleaved)")
+          f"block={BLOCK} repeats={repeats} (medians, interleaved) "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
     print(f"measured read bandwidth: {bandwidth / 1e9:.2f} GB/s; native ops: "
           f"{'yes' if ops is not None else 'no'} ({native_note})")
 

@@ -1,16 +1,19 @@
 """Pure-PyTorch paged decode attention (one new token per sequence).
 
 All sequences of the batch are processed together: the kernel walks the block table in
-tiles of ``tile_tokens`` positions (the same tiles for every sequence, padded to the widest
-one), gathers the tile's K/V blocks of the whole batch with one ``index_select`` each, and
-merges the tiles with an online softmax in float32.  There is no Python loop over
-sequences and no host synchronisation, so the call is CUDA-graph capturable and its Python
-call count depends on the context width only, not on ``num_seqs`` (see ``decode_tile_tokens``).
+tiles of positions (the same tiles for every sequence, padded to the widest one), gathers
+each tile's K/V blocks for the whole batch with one ``index_select`` each, and merges the
+tiles with an online softmax in float32.  There is no Python loop over sequences and no
+host synchronisation, so the call is CUDA-graph capturable, and its Python call count
+depends on the context width, not on ``num_seqs`` (see ``decode_tile_tokens``; only the
+scratch cap for very large batches shortens tiles).
 
-Memory traffic per tile: one contiguous gather of whole cache blocks (``index_select`` in
-the native layout, the cheapest read of the x-split key layout), then one pass that
-converts to float32 *and* transposes to the matmul layout at the same time; the float32
-tiles are small enough to stay in cache on CPU.
+Memory traffic per tile (CPU layout): one contiguous gather of whole cache blocks, then the
+``[head_size // x, block_size]`` key planes are transposed as 16-byte units (each ``x``
+group is 16 bytes, moved as one complex128: a bit-exact same-dtype copy) and converted to
+float32 in a contiguous pass; values are never transposed: each ``[head_size, block_size]``
+block is used as a transposed matmul operand.  On GPUs one fused gather-transpose-convert
+copy per tile is used instead (``_common.fast_layout``).  No per-sequence ``.item()``.
 """
 
 from __future__ import annotations

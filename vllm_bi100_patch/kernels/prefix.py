@@ -35,10 +35,6 @@ from ._common import (
 
 __all__ = ["PrefixPlan", "paged_prefix", "prefix_plan"]
 
-#: Never tile keys finer than this many tokens unless the budget forces it (launch count).
-_MIN_K_TILE = 256
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefixPlan:
     """Tiling of one sequence: query chunk and key tile sizes (tokens), and the estimate
@@ -70,35 +66,43 @@ def prefix_plan(q_len: int, context_len: int, num_heads: int, num_kv_heads: int,
                 query_elem: int = 2) -> PrefixPlan:
     """Choose ``(q_chunk, k_tile)`` so that one step's working set fits ``budget_bytes``.
 
-    Prefers all queries in one chunk and key tiles of at least ``_MIN_K_TILE`` tokens
-    (whole blocks); shrinks the query chunk first, then the key tile, down to one token /
-    one block.  ``peak_bytes`` may exceed the budget only when even that minimum does not
-    fit (a budget below a few MiB), which is logged by the caller.
+    Among query chunks ``q_len, q_len / 2, ..., 1``, each with the largest key tile (whole
+    blocks) that fits, picks the pair with the fewest (chunk, tile) steps, preferring the
+    larger chunk on ties: balanced tiles, and few operations.  ``peak_bytes`` exceeds the
+    budget only when even one query and one block do not fit (a budget below a few MiB),
+    which the caller logs.
     """
     total = max(1, context_len + q_len)
-    q_chunk = max(1, q_len)
-    min_tile = min(max(block_size, _MIN_K_TILE // block_size * block_size),
-                   ceil_div(total, block_size) * block_size)
+    total_tokens = ceil_div(total, block_size) * block_size
 
     def tile_for(chunk: int) -> int:
         fixed = _plan_bytes(chunk, 0, num_heads, num_kv_heads, head_size, cache_elem,
                             query_elem)
-        per_token = (_plan_bytes(chunk, block_size, num_heads, num_kv_heads, head_size,
-                                 cache_elem, query_elem) - fixed) / block_size
+        per_block = _plan_bytes(chunk, block_size, num_heads, num_kv_heads, head_size,
+                                cache_elem, query_elem) - fixed
         room = budget_bytes - fixed
-        if room <= 0:
+        if room < per_block:
             return 0
-        tokens = int(room // per_token) // block_size * block_size
-        return min(tokens, ceil_div(total, block_size) * block_size)
+        return min(int(room // per_block) * block_size, total_tokens)
 
-    tile = tile_for(q_chunk)
-    while tile < min_tile and q_chunk > 1:
-        q_chunk = ceil_div(q_chunk, 2)
-        tile = tile_for(q_chunk)
-    tile = max(tile, block_size)
-    peak = _plan_bytes(q_chunk, tile, num_heads, num_kv_heads, head_size, cache_elem,
-                       query_elem)
-    return PrefixPlan(q_chunk=q_chunk, k_tile=tile, peak_bytes=peak)
+    best: Optional[PrefixPlan] = None
+    best_steps = 0
+    chunk = max(1, q_len)
+    while True:
+        tile = tile_for(chunk)
+        if tile > 0:
+            steps = ceil_div(max(1, q_len), chunk) * ceil_div(total, tile)
+            if best is None or steps < best_steps:
+                best_steps = steps
+                best = PrefixPlan(chunk, tile, _plan_bytes(chunk, tile, num_heads, num_kv_heads,
+                                                           head_size, cache_elem, query_elem))
+        if chunk == 1:
+            break
+        chunk = ceil_div(chunk, 2)
+    if best is None:  # nothing fits: the minimum step
+        best = PrefixPlan(1, block_size, _plan_bytes(1, block_size, num_heads, num_kv_heads,
+                                                     head_size, cache_elem, query_elem))
+    return best
 
 
 def paged_prefix(
