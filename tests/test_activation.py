@@ -325,3 +325,14 @@ def test_doctor_reports_checks_and_exit_code(shim_venv, fake_root):
     bad = subprocess.run([script, "doctor"], env=dict(env, PYTHONPATH=renamed),
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "[FAIL] code check forward_decode" in bad.stdout
+
+
+def test_strict_mode_reports_invalid_configuration_loudly(shim_venv, fake_root):
+    env = _venv_env(fake_root, VLLM_BI100_PATCH_STRICT="1", VLLM_BI100_PREFIX_BUDGET_MB="lots")
+    proc = run_python("print('alive')", python=shim_venv, env=env, prelude=False)
+    # site.py reports the error of the .pth line / sitecustomize; the interpreter goes on.
+    assert "ConfigError" in proc.stderr and "VLLM_BI100_PREFIX_BUDGET_MB='lots'" in proc.stderr
+    assert proc.stdout.strip() == "alive"
+    lenient = run_python("print('alive')", python=shim_venv, prelude=False,
+                         env=_venv_env(fake_root, VLLM_BI100_PREFIX_BUDGET_MB="lots"))
+    assert "ConfigError" not in lenient.stderr and "'lots' is invalid" in lenient.stderr

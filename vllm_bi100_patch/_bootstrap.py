@@ -229,12 +229,15 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
 
 
 def bootstrap(source: str) -> None:
-    """Entry for sitecustomize, the .pth line and the vLLM plugin: never raises."""
+    """Entry for sitecustomize, the .pth line and the vLLM plugin: never raises, except under
+    strict mode (where site.py, or vLLM's plugin loader, reports the error loudly)."""
     global _last_error
     try:
         activate(source)
     except Exception as exc:  # the host process must go on, unpatched
         _last_error = f"{type(exc).__name__}: {exc}"
+        if _strict:
+            raise
         try:
             log.error("vllm-bi100-patch: activation from %s failed (%s); stock vLLM runs",
                       source, _last_error)
