@@ -21,3 +21,12 @@ def layout(request, monkeypatch):
 
     monkeypatch.setattr(_common, "FORCE_LAYOUT", request.param)
     return request.param
+
+
+@pytest.fixture(params=["sdpa", "tiled"])
+def path(request, monkeypatch):
+    """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
+    from vllm_bi100_patch.kernels import prefix
+
+    monkeypatch.setattr(prefix, "FORCE_PATH", request.param)
+    return request.param

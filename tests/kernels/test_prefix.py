@@ -54,14 +54,14 @@ NEWS = [5, 1, 16, 3, 17, 9]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
-def test_dtypes_head_sizes(dtype, head_size):
+def test_dtypes_head_sizes(dtype, head_size, path):
     args = _case(dtype, head_size, 4, 2, 16, CONTEXTS, NEWS)
     _check(_run(args), _ref(args, head_size ** -0.5), dtype)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_gqa_block_sizes(group, block_size, layout):
+def test_gqa_block_sizes(group, block_size, layout, path):
     dtype = torch.bfloat16 if group % 2 else torch.float32
     ctxs = [0, block_size - 1, block_size, block_size + 1, 3 * block_size]
     news = [7, 1, block_size + 2, 4, 2]
@@ -71,7 +71,7 @@ def test_gqa_block_sizes(group, block_size, layout):
 
 @pytest.mark.parametrize("window", [1, 4, 20, 10_000])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_sliding_window_and_alibi(window, alibi):
+def test_sliding_window_and_alibi(window, alibi, path):
     args = _case(torch.float32, 64, 4, 2, 8, [0, 30, 50], [12, 9, 25], seed=window)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     out = _run(args, sliding_window=window, alibi_slopes=slopes)
@@ -79,7 +79,7 @@ def test_sliding_window_and_alibi(window, alibi):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_context(kv_cache_dtype):
+def test_fp8_context(kv_cache_dtype, path):
     if not fp8_available(kv_cache_dtype):
         pytest.skip("torch has no float8 dtypes")
     args = _case(torch.bfloat16, 64, 4, 2, 16, CONTEXTS, NEWS, kv_cache_dtype=kv_cache_dtype)
@@ -113,7 +113,9 @@ def test_budget_default_comes_from_config(monkeypatch):
 
 
 @pytest.mark.parametrize("budget_mb", [4, 16])
-def test_peak_memory_under_budget_and_flat_in_context(budget_mb):
+def test_peak_memory_under_budget_and_flat_in_context(budget_mb, monkeypatch):
+    # The tiled path; the SDPA path's memory grows with the context (next test).
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
     peaks = []
     for ctx in (2400, 4800):
         args = _case(torch.bfloat16, 128, 8, 2, 16, [ctx], [128], seed=ctx)
@@ -126,13 +128,69 @@ def test_peak_memory_under_budget_and_flat_in_context(budget_mb):
     assert peaks[1] <= peaks[0] * 1.25 + (64 << 10)
 
 
-def test_inputs_unmodified():
+@pytest.mark.parametrize("alibi", [False, True])
+def test_inputs_unmodified(alibi, path):
     args = _case(torch.float32, 64, 4, 2, 16, CONTEXTS, NEWS, seed=11)
-    slopes = torch.rand(4)
-    before = [t.clone() for t in args] + [slopes.clone()]
+    slopes = torch.rand(4) if alibi else None
+    before = [t.clone() for t in args] + [None if slopes is None else slopes.clone()]
     _run(args, scale=0.3, alibi_slopes=slopes, sliding_window=7)
     for a, b in zip(list(args) + [slopes], before):
-        assert torch.equal(a, b)
+        assert a is None and b is None or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_one_and_empty_context(dtype, path):
+    # Window 1: each query sees only itself (its row is never fully masked, no NaN).
+    args = _case(dtype, 64, 4, 2, 16, [0, 20, 0], [6, 5, 1], seed=3)
+    for window in (1, None):
+        out = _run(args, sliding_window=window)
+        assert not out.isnan().any()
+        _check(out, _ref(args, 0.125, sliding_window=window), dtype)
+    out = _run(args, sliding_window=1)
+    v = args[2].repeat_interleave(2, dim=1)  # query head h reads kv head h // 2
+    torch.testing.assert_close(out.double(), v.double(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_sdpa_path_chosen_and_accounted(kv_cache_dtype, monkeypatch):
+    if kv_cache_dtype != "auto" and not fp8_available(kv_cache_dtype):
+        pytest.skip("torch has no float8 dtypes")
+    plans = []
+    real = prefix.prefix_plan
+
+    def spy(*a, **kw):
+        plans.append(real(*a, **kw))
+        return plans[-1]
+
+    monkeypatch.setattr(prefix, "prefix_plan", spy)
+    args = _case(torch.bfloat16, 128, 8, 2, 16, [2400], [128], seed=1,
+                 kv_cache_dtype=kv_cache_dtype)
+    kw = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype,
+                                               "k_scale": 0.5, "v_scale": 2.0}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # SDPA scratch is per thread
+    small = 6 if kv_cache_dtype == "auto" else 5  # fp8: the raw blocks are half the size
+    for budget_mb in (16, small):
+        with PeakMemory() as mem:
+            out = _run(args, budget_mb=budget_mb, **kw)
+        plan = plans[-1]
+        assert plan.sdpa and plan.peak_bytes <= budget_mb << 20, plan
+        extra = mem.peak_bytes - out.untyped_storage().nbytes()
+        assert extra <= plan.peak_bytes, (budget_mb, extra, plan)
+    # small: K/V still fit but the mask of all 128 queries with SDPA's scratch does not.
+    assert plans[-1].q_chunk < 128
+    # 2 MiB: the gathered K/V (2.4 MiB) do not fit: the tiled path.
+    _run(args, budget_mb=2, **kw)
+    assert not plans[-1].sdpa
+    # ALiBi: always tiled.
+    _run(args, alibi_slopes=torch.rand(8), **kw)
+    assert not plans[-1].sdpa
+
+
+def test_sdpa_path_only_for_fast_dtypes():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert prefix.sdpa_dtype_ok(torch.float32, cpu) and prefix.sdpa_dtype_ok(torch.bfloat16, cpu)
+    assert not prefix.sdpa_dtype_ok(torch.float16, cpu)
+    assert prefix.sdpa_dtype_ok(torch.float16, cuda)
 
 
 def test_empty_batch_and_padding_rows():
@@ -184,10 +242,19 @@ def test_budget_and_window_errors():
     seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), min_size=1, max_size=4),
     window=st.one_of(st.none(), st.integers(1, 70)),
     use_alibi=st.booleans(),
+    force=st.sampled_from(["sdpa", "tiled"]),
     seed=st.integers(0, 2**16),
 )
 def test_property_matches_reference(dtype, kv_heads, group, block_size, seqs, window,
-                                    use_alibi, seed):
+                                    use_alibi, force, seed):
+    prefix.FORCE_PATH = force
+    try:
+        _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, seed)
+    finally:
+        prefix.FORCE_PATH = None
+
+
+def _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, seed):
     contexts = [c for c, _ in seqs]
     news = [n for _, n in seqs]
     args = _case(dtype, 32, kv_heads * group, kv_heads, block_size, contexts, news, seed=seed)

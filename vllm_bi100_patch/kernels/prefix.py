@@ -4,11 +4,24 @@ Replaces vLLM's Triton ``context_attention_fwd``, which hangs Iluvatar BI-V100 c
 each sequence, its new tokens attend causally to the sequence's cached context (read from
 the paged cache) and to the new tokens up to themselves (read from ``key``/``value``).
 
-The work is tiled: queries in chunks of ``q_chunk`` tokens, keys in tiles of ``k_tile``
-tokens, merged with an online softmax in float32, so that the peak extra memory stays under
-``budget_mb`` whatever the context length (see ``prefix_plan``).  Key tiles that a chunk
-cannot see (outside its sliding window) are skipped, and the causal/window mask is only
-built for tiles that need one.
+Two paths, chosen per sequence by ``prefix_plan``:
+
+- **SDPA path** (``PrefixPlan.sdpa``): the sequence's context K/V are gathered from the
+  paged cache into one contiguous ``[kv_heads, context + new, head_size]`` buffer (fp8
+  caches dequantised into the query's dtype), followed by the new tokens' K/V, and
+  ``torch.nn.functional.scaled_dot_product_attention`` runs once per query chunk with
+  ``enable_gqa=True`` and a boolean causal/sliding-window mask ``[chunk, keys]`` (query
+  ``i`` at position ``context + i`` sees keys ``<= context + i`` and ``> pos - window``;
+  a query always sees itself, so no row is fully masked).  Its memory grows with the
+  context (the gathered K/V), so it is used only when that, the mask, SDPA's output and
+  its scratch fit ``budget_mb``, without ALiBi (a per-head float bias would be
+  ``[heads, q, k]``), with a Python-float scale, and for dtypes SDPA handles well on the
+  device (see ``sdpa_dtype_ok``).
+- **Tiled path** (everything else): queries in chunks of ``q_chunk`` tokens, keys in tiles
+  of ``k_tile`` tokens, merged with an online softmax in float32, so that the peak extra
+  memory stays under ``budget_mb`` whatever the context length.  Key tiles that a chunk
+  cannot see (outside its sliding window) are skipped, and the causal/window mask is only
+  built for tiles that need one.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import math
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import config
 from ._common import (
@@ -31,18 +45,54 @@ from ._common import (
     gather_keys,
     gather_values,
     scale_factor,
+    to_float,
 )
 
-__all__ = ["PrefixPlan", "paged_prefix", "prefix_plan"]
+__all__ = ["PrefixPlan", "paged_prefix", "prefix_plan", "sdpa_dtype_ok"]
+
+#: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
+FORCE_PATH: Optional[str] = None
 
 @dataclasses.dataclass(frozen=True)
 class PrefixPlan:
-    """Tiling of one sequence: query chunk and key tile sizes (tokens), and the estimate
-    of the peak extra bytes it needs (float32 working set, excluding the output)."""
+    """Plan for one sequence: query chunk and key tile sizes (tokens), and the estimate of
+    the peak extra bytes it needs (excluding the output).  ``sdpa`` selects the SDPA path,
+    for which ``k_tile`` is the whole sequence (all keys are gathered at once)."""
 
     q_chunk: int
     k_tile: int
     peak_bytes: int
+    sdpa: bool = False
+
+
+def sdpa_dtype_ok(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether SDPA is fast for ``dtype`` on ``device``: on CPU float32 and bfloat16 (its
+    flash kernel; float16 has no fast CPU kernel and is slower than the tiled path), on
+    other devices all three float dtypes."""
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _sdpa_bytes(q_chunk: int, q_len: int, context_len: int, num_heads: int,
+                num_kv_heads: int, head_size: int, block_size: int, cache_elem: int,
+                query_elem: int, threads: int) -> int:
+    """Peak extra bytes of the SDPA path, counted generously.
+
+    The contiguous K/V in the query's dtype (context + new tokens), the raw gathered
+    blocks of one of them (twice, for the fp8 staging copy), per chunk the boolean mask,
+    SDPA's output and float32 log-sum-exp, and the flash kernel's per-thread scratch
+    (float32 scores of up to 256 x 512 plus a reduced copy, and a float32 accumulator).
+    """
+    tokens = context_len + q_len
+    kv = 2 * num_kv_heads * tokens * head_size * query_elem
+    raw = 2 * num_kv_heads * ceil_div(context_len, block_size) * block_size * head_size \
+        * cache_elem
+    mask = q_chunk * tokens
+    out = num_heads * q_chunk * (head_size * query_elem + 4)
+    q_split, k_split = min(q_chunk, 256), min(tokens, 512)
+    scratch = threads * (q_split * k_split * (4 + query_elem) + q_split * (head_size + 4) * 4)
+    return kv + raw + mask + out + scratch
 
 
 def _plan_bytes(q_chunk: int, k_tile: int, num_heads: int, num_kv_heads: int,
@@ -63,17 +113,34 @@ def _plan_bytes(q_chunk: int, k_tile: int, num_heads: int, num_kv_heads: int,
 
 def prefix_plan(q_len: int, context_len: int, num_heads: int, num_kv_heads: int,
                 head_size: int, block_size: int, budget_bytes: int, cache_elem: int = 2,
-                query_elem: int = 2) -> PrefixPlan:
-    """Choose ``(q_chunk, k_tile)`` so that one step's working set fits ``budget_bytes``.
+                query_elem: int = 2, *, sdpa_ok: bool = False, threads: int = 1
+                ) -> PrefixPlan:
+    """Choose the path and its chunking so that the working set fits ``budget_bytes``.
 
-    Among query chunks ``q_len, q_len / 2, ..., 1``, each with the largest key tile (whole
-    blocks) that fits, picks the pair with the fewest (chunk, tile) steps, preferring the
+    SDPA path (only when ``sdpa_ok``: the caller checked no ALiBi, a float scale and a
+    dtype from ``sdpa_dtype_ok``): the largest query chunk among ``q_len, q_len / 2, ...``
+    whose ``_sdpa_bytes`` (whole-sequence K/V plus the chunk's mask, output and SDPA
+    scratch for ``threads`` threads) fits the budget; one SDPA call per chunk.
+
+    Tiled path otherwise, choosing ``(q_chunk, k_tile)``: among query chunks
+    ``q_len, q_len / 2, ..., 1``, each with the largest key tile (whole blocks) that fits,
+    picks the pair with the fewest (chunk, tile) steps, preferring the
     larger chunk on ties: balanced tiles, and few operations.  ``peak_bytes`` exceeds the
     budget only when even one query and one block do not fit (a budget below a few MiB),
     which the caller logs.
     """
     total = max(1, context_len + q_len)
     total_tokens = ceil_div(total, block_size) * block_size
+    if sdpa_ok and FORCE_PATH != "tiled":
+        chunk = max(1, q_len)
+        while True:
+            need = _sdpa_bytes(chunk, q_len, context_len, num_heads, num_kv_heads, head_size,
+                               block_size, cache_elem, query_elem, threads)
+            if need <= budget_bytes or FORCE_PATH == "sdpa":
+                return PrefixPlan(chunk, total, need, sdpa=True)
+            if chunk == 1:
+                break
+            chunk = ceil_div(chunk, 2)
 
     def tile_for(chunk: int) -> int:
         fixed = _plan_bytes(chunk, 0, num_heads, num_kv_heads, head_size, cache_elem,
@@ -215,21 +282,117 @@ def paged_prefix(
         slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).view(
             spec.num_kv_heads, group, 1, 1)
 
+    # SDPA path allowed? (no ALiBi, a Python-float scale, a dtype SDPA is fast for).
+    sdpa_ok = (alibi_slopes is None and isinstance(q_scale, float)
+               and (FORCE_PATH == "sdpa" or sdpa_dtype_ok(query.dtype, query.device)))
+    threads = torch.get_num_threads() if query.device.type == "cpu" else 1
     out = torch.zeros_like(query)
     for i in range(batch):
         start, q_len, ctx = starts[i], starts[i + 1] - starts[i], contexts[i]
         if q_len == 0:
             continue
         plan = prefix_plan(q_len, ctx, num_heads, spec.num_kv_heads, head_size, block_size,
-                           budget, key_cache.element_size(), query.element_size())
+                           budget, key_cache.element_size(), query.element_size(),
+                           sdpa_ok=sdpa_ok, threads=threads)
         if plan.peak_bytes > budget:
             _log_over_budget(plan, budget)
+        if plan.sdpa:
+            assert isinstance(q_scale, float)
+            _sdpa_sequence(out, query, key, value, key_cache, value_cache, block_tables[i],
+                           spec, start, q_len, ctx, window, k_mult, v_mult, q_scale,
+                           plan.q_chunk)
+            continue
         seq = _Sequence(query, key, value, key_cache, value_cache, block_tables[i], spec,
                         start, q_len, ctx, window, slopes, k_mult, v_mult)
         for c0 in range(0, q_len, plan.q_chunk):
             c1 = min(q_len, c0 + plan.q_chunk)
             out[start + c0:start + c1] = seq.attend_chunk(c0, c1, q_scale, plan.k_tile)
     return out
+
+
+def _sdpa_sequence(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   table: torch.Tensor, spec: CacheSpec, start: int, q_len: int, ctx: int,
+                   window: Optional[int], k_mult: Optional[ScaleLike],
+                   v_mult: Optional[ScaleLike], q_scale: float, q_chunk: int) -> None:
+    """The SDPA path for one sequence: writes ``out[start:start + q_len]``."""
+    kv, d, dtype = spec.num_kv_heads, spec.head_size, query.dtype
+    tokens = ctx + q_len
+    keys = torch.empty((kv, tokens, d), dtype=dtype, device=query.device)
+    values = torch.empty_like(keys)
+    keys[:, ctx:].copy_(key[start:start + q_len].transpose(0, 1))
+    values[:, ctx:].copy_(value[start:start + q_len].transpose(0, 1))
+    if ctx > 0:
+        ids = table[:ceil_div(ctx, spec.block_size)].to(torch.int64)
+        _gather_context_keys(keys, key_cache, ids, ctx, spec, k_mult)
+        _gather_context_values(values, value_cache, ids, ctx, spec, v_mult)
+    for c0 in range(0, q_len, q_chunk):
+        c1 = min(q_len, c0 + q_chunk)
+        # Keys past the chunk's last query are never visible; before the window neither.
+        k_hi = ctx + c1
+        k_lo = 0 if window is None else max(0, ctx + c0 - window + 1)
+        # mask[i, j]: query at ctx + c0 + i sees key at k_lo + j iff
+        #   k_lo + j <= ctx + c0 + i  and  k_lo + j > ctx + c0 + i - window.
+        diag = ctx + c0 - k_lo
+        mask = torch.ones((c1 - c0, k_hi - k_lo), dtype=torch.bool, device=query.device)
+        mask.tril_(diag)
+        if window is not None:
+            mask.triu_(diag - window + 1)
+        q = query[start + c0:start + c1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        res = F.scaled_dot_product_attention(
+            q, keys[:, k_lo:k_hi].unsqueeze(0), values[:, k_lo:k_hi].unsqueeze(0),
+            attn_mask=mask, scale=q_scale, enable_gqa=True)
+        del mask
+        out[start + c0:start + c1] = res[0].transpose(0, 1)
+
+
+def _gather_context_keys(dest: torch.Tensor, key_cache: torch.Tensor, ids: torch.Tensor,
+                         ctx: int, spec: CacheSpec, mult: Optional[ScaleLike]) -> None:
+    """Copy the first ``ctx`` cached keys into ``dest[:, :ctx]`` (``[kv, tokens, D]``).
+
+    Each ``x`` group is 16 bytes, so the ``[D // x, block_size]`` transpose moves them as
+    complex128 units (bit-exact, 16-byte inner loop) straight into ``dest`` when no
+    dequantisation is needed; fp8 caches are staged, converted and scaled.
+    """
+    kv, bs, chunks = spec.num_kv_heads, spec.block_size, spec.head_size // spec.x
+    n = ids.shape[0]
+    raw = key_cache.index_select(0, ids).view(torch.complex128).view(n, kv, chunks, bs)
+    if not spec.fp8:
+        target = dest.view(torch.complex128)  # [kv, tokens, chunks]
+    else:
+        target = torch.empty((kv, ctx, chunks), dtype=torch.complex128, device=dest.device)
+    _copy_blocks(target, raw.permute(1, 0, 3, 2), ctx, bs)
+    del raw
+    if spec.fp8:
+        staged = to_float(target.view(spec.storage_dtype), spec).view(kv, ctx, spec.head_size)
+        dest[:, :ctx].copy_(staged)
+        del staged, target
+        assert mult is not None
+        dest[:, :ctx].mul_(mult)
+
+
+def _gather_context_values(dest: torch.Tensor, value_cache: torch.Tensor, ids: torch.Tensor,
+                           ctx: int, spec: CacheSpec, mult: Optional[ScaleLike]) -> None:
+    """Copy the first ``ctx`` cached values into ``dest[:, :ctx]`` (a ``[D, bs]`` transpose
+    per block, converting fp8 on the way) and apply the fp8 scale."""
+    raw = to_float(value_cache.index_select(0, ids), spec)  # [n, kv, D, bs]
+    _copy_blocks(dest, raw.permute(1, 0, 3, 2), ctx, spec.block_size)
+    del raw
+    if spec.fp8:
+        assert mult is not None
+        dest[:, :ctx].mul_(mult)
+
+
+def _copy_blocks(dest: torch.Tensor, src: torch.Tensor, ctx: int, bs: int) -> None:
+    """``dest[:, :ctx] = src`` flattened over (block, slot): ``src`` is ``[kv, n, bs, E]``
+    (not mergeable into a view), ``dest`` ``[kv, >= ctx, E]``; the last block may be partial."""
+    kv, e = dest.shape[0], dest.shape[2]
+    full = ctx // bs
+    if full:
+        dest[:, :full * bs].view(kv, full, bs, e).copy_(src[:, :full])
+    rem = ctx - full * bs
+    if rem:
+        dest[:, full * bs:ctx].copy_(src[:, full, :rem])
 
 
 class _Sequence:
