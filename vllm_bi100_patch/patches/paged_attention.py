@@ -44,7 +44,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .. import config, hardware
-from ..kernels import dispatch, paged_prefix
+from ..kernels import paged_prefix
+from ..kernels import dispatch  # a submodule, not in kernels.__all__
 from ..versions import Family
 
 log = logging.getLogger("vllm.bi100_patch")
