@@ -186,11 +186,15 @@ def test_sdpa_path_chosen_and_accounted(kv_cache_dtype, monkeypatch):
     assert not plans[-1].sdpa
 
 
-def test_sdpa_path_only_for_fast_dtypes():
+def test_sdpa_path_only_on_cpu_for_fast_dtypes_and_verified_torch(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert prefix.sdpa_dtype_ok(torch.float32, cpu) and prefix.sdpa_dtype_ok(torch.bfloat16, cpu)
-    assert not prefix.sdpa_dtype_ok(torch.float16, cpu)
-    assert prefix.sdpa_dtype_ok(torch.float16, cuda)
+    monkeypatch.setattr(prefix, "_TORCH_RELEASE", prefix.SDPA_MIN_TORCH)
+    assert prefix.sdpa_path_ok(torch.float32, cpu) and prefix.sdpa_path_ok(torch.bfloat16, cpu)
+    assert not prefix.sdpa_path_ok(torch.float16, cpu)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert not prefix.sdpa_path_ok(dtype, cuda)  # fused GPU attention: the BI-V100 hang class
+    monkeypatch.setattr(prefix, "_TORCH_RELEASE", (2, 8))
+    assert not prefix.sdpa_path_ok(torch.float32, cpu)
 
 
 def test_empty_batch_and_padding_rows():

