@@ -1,5 +1,6 @@
 """Registry on fake vLLM trees (one per family): code checks, all-or-nothing apply, exact revert."""
 
+import functools
 import logging
 
 import pytest
@@ -133,3 +134,22 @@ def test_revert_leaves_a_later_foreign_patch_alone(paged_attn_module, caplog):
     assert restored == ["forward_prefix"]
     assert vars(mod.PagedAttention)["forward_decode"] is foreign
     assert any("replaced by someone else" in r.getMessage() for r in caplog.records)
+
+
+def test_reapply_after_a_foreign_patch_wraps_and_restores_that_one(paged_attn_module):
+    mod = paged_attn_module("0.6.3.post1")
+    registry.apply_to(mod, ON)
+    registry.revert_all()
+    original = vars(mod.PagedAttention)["forward_decode"].__func__
+
+    @functools.wraps(original)  # another tool's wrapper, same signature
+    def other_tool(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    foreign = staticmethod(other_tool)
+    mod.PagedAttention.forward_decode = foreign
+    assert registry.apply_to(mod, ON).reason is None
+    assert registry.is_ours(vars(mod.PagedAttention)["forward_decode"])
+    assert registry.get_original(mod.PagedAttention, "forward_decode") is foreign
+    registry.revert_all()
+    assert vars(mod.PagedAttention)["forward_decode"] is foreign

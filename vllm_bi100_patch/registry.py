@@ -1,8 +1,9 @@
 """The registry of patches: specs, code checks, saved originals, all-or-nothing apply/revert.
 
 Style (DESIGN.md §4): attributes are resolved through ``vars(cls)`` along the MRO, never
-``getattr``, so a staticmethod stays one; the raw descriptor is saved with ``setdefault`` (the
-true original is never lost, gevent-style) and restored as the very same object on revert.
+``getattr``, so a staticmethod stays one; the raw descriptor is saved only when it is not our
+own wrapper (so patching twice never loses the original, gevent's concern) and restored as the
+very same object on revert.
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ def _patch_all(cls: type, module: types.ModuleType, family: versions.Family,
             if is_ours(desc):
                 report.applied.append(spec.name)  # already patched: never wrap twice
                 continue
-            _originals.setdefault(key, desc)
-            original = _originals[key]
+            # Not ours, so it is what revert must give back: the true original, or whatever
+            # another tool installed after an earlier revert (never our own wrapper).
+            _originals[key] = desc
+            original = desc
             factory = getattr(paged_attention, spec.factory)
             wrapper = factory(family, original.__func__, module, settings)
             new = staticmethod(PatchWrapper(original.__func__, wrapper))
