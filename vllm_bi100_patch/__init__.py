@@ -88,14 +88,7 @@ def status() -> Dict[str, Any]:
         from .patches import paged_attention
 
         data["counts"] = paged_attention.call_counts()
-    guard = sys.modules.get("vllm_bi100_patch.import_guard")
-    data["import_guard"] = guard.state() if guard is not None else {  # type: ignore[attr-defined]
-        "installed": False, "prefix_prefill": _prefix_state()}
+    from . import import_guard  # cheap: no typing, no logging at import
+
+    data["import_guard"] = import_guard.state()
     return data
-
-
-def _prefix_state() -> str:
-    module = sys.modules.get("vllm.attention.ops.prefix_prefill")
-    if module is None:
-        return "absent"
-    return "substitute" if getattr(module, "__vllm_bi100_substitute__", False) else "real (Triton)"
