@@ -1,7 +1,8 @@
 """Iluvatar detection and the SM count.
 
 ``cheap_detection()`` runs at interpreter start and imports nothing heavy: it looks for the
-``ixformer`` package without importing it, and for a ``+corex`` torch in package metadata.
+``ixformer`` package without importing it, and for a ``+corex`` torch in the name of its
+``dist-info`` directory.
 ``device_facts()`` is called only once torch is already imported (from the patch layer).
 """
 

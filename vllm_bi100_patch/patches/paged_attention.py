@@ -52,8 +52,6 @@ log = logging.getLogger("vllm.bi100_patch")
 
 Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
 
-_REQUIRED = object()
-
 CALL_COUNTS: Dict[str, int] = {"forward_decode": 0, "forward_prefix": 0}
 _counts_lock = threading.Lock()
 
