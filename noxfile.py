@@ -29,7 +29,10 @@ MATRIX = ("0.5.2", "0.5.4", "0.6.3.post1", "0.6.6.post1", "0.7.3", "0.8.5", "0.9
 #: What plain ``nox`` (and so CI) runs: three families, one of them CoreX 3.2.x's 0.6.3.
 DEFAULT_REAL = ("0.6.3.post1", "0.7.3", "0.8.5")
 
-nox.options.sessions = ["lint", "unit"] + [f"real-{v}" for v in DEFAULT_REAL]
+#: The stand-in of Iluvatar's CoreX 3.2.3 build (vLLM 0.6.3+corex.3.2.3), the real target.
+COREX = "real-corex-3.2.3"
+
+nox.options.sessions = ["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
@@ -75,7 +78,7 @@ def lint(session: nox.Session) -> None:
 def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
     session.install(TORCH, "numpy", *TEST_DEPS, "setuptools>=61", "wheel")
-    _pytest(session, "-m", "not real_vllm and not serve", "-q", *session.posargs)
+    _pytest(session, "-m", "not real_vllm and not serve and not corex", "-q", *session.posargs)
 
 
 def _real(version: str):
@@ -93,11 +96,25 @@ for _v in MATRIX:
     nox.session(python=PYTHON, name=f"real-{_v}")(_real(_v))
 
 
+@nox.session(python=PYTHON, name=COREX)
+def corex(session: nox.Session) -> None:
+    """The official vLLM 0.6.3.post1 wheel turned into a stand-in of Iluvatar's CoreX 3.2.3
+    build (vendor deltas of tests/corex/standin.py, fake ixformer with the BI-V100 hazards),
+    the shim installed from its wheel: tests/corex, then tests/real on the same venv."""
+    wheel = _shim_wheel(session)
+    vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS])
+    session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
+    _pytest(session, "tests/corex", "-m", "corex", "-v", *session.posargs)
+    _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
+            env={"BI100_EXPECT_VLLM": "0.6.3+corex.3.2.3"})
+
+
 @nox.session(python=False)
 def matrix(session: nox.Session) -> None:
-    """Queue tests/real for every release line in MATRIX."""
+    """Queue tests/real for every release line in MATRIX, and the CoreX stand-in."""
     for version in MATRIX:
         session.notify(f"real-{version}")
+    session.notify(COREX)
 
 
 @nox.session(python=PYTHON)

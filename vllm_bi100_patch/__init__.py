@@ -78,6 +78,8 @@ def status() -> Dict[str, Any]:
         "patched": [],
         "report": None,
         "counts": {},
+        "native_ops": None,
+        "serving_path": versions.serving_path_note(info),
     }
     if "vllm_bi100_patch.registry" in sys.modules:
         from . import registry
@@ -88,6 +90,7 @@ def status() -> Dict[str, Any]:
         from .patches import paged_attention
 
         data["counts"] = paged_attention.call_counts()
+        data["native_ops"] = paged_attention.native_profile()
     from . import import_guard  # cheap: no typing, no logging at import
 
     data["import_guard"] = import_guard.state()

@@ -26,6 +26,7 @@ PREFIX_BUDGET_MB = "VLLM_BI100_PREFIX_BUDGET_MB"
 SM_COUNT = "VLLM_BI100_SM_COUNT"
 SM_OCCUPANCY = "VLLM_BI100_SM_OCCUPANCY"
 SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
+V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 
 #: Names accepted in VLLM_BI100_PATCH_DISABLE (one per registry patch).
 PATCH_NAMES: Tuple[str, ...] = ("decode", "prefix", "import_guard")
@@ -68,6 +69,11 @@ VARIABLES: Tuple[Variable, ...] = (
              "when it cannot be read."),
     Variable(SM_OCCUPANCY, "1", "integer >= 1", "Attention CTAs per SM in the V1/V2 rule."),
     Variable(SUBSCRIPTION, "5", "integer >= 1", "Subscription factor in the V1/V2 rule."),
+    Variable(V1_MAX_SEQ_LEN, "(by build)", "integer >= 1",
+             "Longest `max_seq_len` the native V1 kernel is given (it keeps a whole sequence's "
+             "logits in shared memory); longer decodes take V2 where it exists, else the "
+             "pure-PyTorch decode. Default: 32768 on Iluvatar (ixformer, CoreX torch or an "
+             "Iluvatar device, or a vendor `head_mapping` kernel), 8192 otherwise."),
 )
 
 
@@ -75,12 +81,14 @@ class Settings:
     """The parsed configuration (read-only by convention; ``load()`` makes a new one)."""
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
-                 "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "errors")
+                 "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
+                 "errors")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
                  prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
                  sm_occupancy: int = 1, subscription: int = 5,
+                 v1_max_seq_len: Optional[int] = None,
                  errors: Tuple[str, ...] = ()) -> None:
         self.mode = mode
         self.disabled = disabled
@@ -91,6 +99,7 @@ class Settings:
         self.sm_count = sm_count
         self.sm_occupancy = sm_occupancy
         self.subscription = subscription
+        self.v1_max_seq_len = v1_max_seq_len
         self.errors = errors
 
     def __repr__(self) -> str:
@@ -170,6 +179,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     SM_COUNT: ("sm_count", _int_parser(1)),
     SM_OCCUPANCY: ("sm_occupancy", _int_parser(1)),
     SUBSCRIPTION: ("subscription", _int_parser(1)),
+    V1_MAX_SEQ_LEN: ("v1_max_seq_len", _int_parser(1)),
 }
 
 

@@ -136,6 +136,25 @@ def family_for(info: VersionInfo) -> Optional[Family]:
     return chosen
 
 
+def serving_path_note(info: VersionInfo) -> Optional[str]:
+    """A warning when this vLLM build does not serve attention through ``PagedAttention`` at
+    all, so the patches sit off the serving path (None otherwise).
+
+    Iluvatar's CoreX 4.x builds (vLLM 0.8.3+corex and later) serve attention through
+    ixformer's FlashAttention backends in both engines, with another KV-cache layout; their
+    ``paged_attention_v1/v2`` only raise NotImplementedError (docs/corex-3.2.3.md, "CoreX 4.x").
+    """
+    raw, version = info.raw, info.version
+    if raw is None or version is None or "corex" not in raw.lower():
+        return None
+    if version >= Version("0.8.0"):
+        return (f"vLLM {raw} is an Iluvatar CoreX 4.x build: its attention runs through "
+                "ixformer FlashAttention backends, not PagedAttention, so the decode/prefix "
+                "patches are not on the serving path (the import guard still keeps the Triton "
+                "prefix kernel out)")
+    return None
+
+
 def support_table() -> str:
     """The README's supported-versions table, generated from FAMILIES."""
     rows = ["| vLLM | family | forward_decode scales | forward_prefix | patched |",

@@ -62,8 +62,12 @@ DEFAULT_ROUTING = DecodeRouting()
 def _decode(inputs, max_seq_len, *, ops, routing=DEFAULT_ROUTING, scale_args=(1.0, 1.0),
             tail=TAIL, alibi=None):
     q, kc, vc, bt, sl = inputs
-    return dispatch.decode(q, kc, vc, bt, sl, max_seq_len, "auto", 2, 0.125, alibi, scale_args,
-                           tail, ops=ops, routing=routing)
+    k_scale, v_scale = scale_args if len(scale_args) == 2 else scale_args * 2
+    names = ("tp_rank", "blocksparse_local_blocks", "blocksparse_vert_stride",
+             "blocksparse_block_size", "blocksparse_head_sliding_step")
+    return dispatch.decode(q, kc, vc, bt, sl, max_seq_len, "auto", 2, 0.125, alibi,
+                           k_scale=k_scale, v_scale=v_scale, **dict(zip(names, tail)),
+                           ops=ops, routing=routing)
 
 
 def test_v1_for_single_partition_and_args_passed_through():
@@ -89,7 +93,7 @@ def test_v2_occupancy_rule_and_shapes():
     exp_sums, max_logits, tmp_out = args[:3]
     assert exp_sums.shape == max_logits.shape == (2, 4, 8)  # ceil(4000 / 512)
     assert tmp_out.shape == (2, 4, 8, 64)
-    assert args[3 + 8] == 4000 and args[3 + 11:] == (0.7,) + TAIL
+    assert args[3 + 8] == 4000 and args[3 + 11:] == (0.7, 0.7) + TAIL
     # Enough sequences x heads to fill 80 CTAs: V1 even with several partitions.
     ops2 = FakeOps()
     _decode(_inputs(num_seqs=20, heads=4), 4000, ops=ops2)
@@ -142,10 +146,8 @@ def test_kv_scale_one_tuple_used_for_k_and_v(monkeypatch):
         return torch.zeros_like(args[0])
 
     monkeypatch.setattr(dispatch, "paged_decode", fake_paged_decode)
-    _decode(_inputs(), 30, ops=None, scale_args=(0.3,))
-    assert seen["k_scale"] == 0.3 and seen["v_scale"] == 0.3 and seen["max_seq_len"] == 30
-    with pytest.raises(ValueError, match="scale_args must be"):
-        _decode(_inputs(), 30, ops=None, scale_args=(1.0, 2.0, 3.0))
+    _decode(_inputs(), 30, ops=None, scale_args=(0.3, 0.4))
+    assert seen["k_scale"] == 0.3 and seen["v_scale"] == 0.4 and seen["max_seq_len"] == 30
 
 
 def test_fallback_above_zero_always_falls_back():
@@ -176,10 +178,13 @@ def test_blocksparse_never_silently_falls_back():
     assert ops.calls[0][1][-5:] == tail
 
 
-def test_v2_partition_must_be_multiple_of_block_size():
+def test_v2_only_with_a_partition_that_is_a_multiple_of_block_size():
     ops = FakeOps()
-    with pytest.raises(ValueError, match=r"partition_size \(500\) .* block_size \(16\)"):
-        _decode(_inputs(), 4000, ops=ops, routing=DecodeRouting(partition_size=500))
+    routing = DecodeRouting(partition_size=500)
+    _decode(_inputs(), 4000, ops=ops, routing=routing)  # V2 unusable: V1 while it is safe
+    _decode(_inputs(), 9000, ops=ops, routing=routing)  # above V1's limit: fallback
+    assert [c[0] for c in ops.calls] == ["v1"]
+    assert dispatch.route_counts() == {"native_v1": 1, "native_v2": 0, "fallback": 1}
 
 
 def _meta_inputs():
@@ -259,10 +264,21 @@ def test_scratch_used_in_capture_is_kept_when_it_grows(monkeypatch):
     assert dispatch.scratch_bytes() == big + stats_and_tmp_small
 
 
-def test_fallback_through_module_without_cpu_kernels():
-    # An ops module whose kernels are missing attributes is the caller's job to detect;
-    # here a plain namespace with the two functions is enough.
+def test_native_through_a_plain_namespace_of_kernels():
+    # Any object with the two callables is an ops module (here: *args signatures, so the
+    # stock argument order is used).
     ops = types.SimpleNamespace(paged_attention_v1=FakeOps().paged_attention_v1,
                                 paged_attention_v2=FakeOps().paged_attention_v2)
     out = _decode(_inputs(), 30, ops=ops)
     assert torch.all(out == 1.0)
+    assert dispatch.route_counts() == {"native_v1": 1, "native_v2": 0, "fallback": 0}
+
+
+def test_fallback_through_module_without_kernels_matches_reference():
+    ops = types.SimpleNamespace()  # neither kernel defined
+    inputs = _inputs()
+    out = _decode(inputs, 30, ops=ops)
+    q, kc, vc, bt, sl = inputs
+    torch.testing.assert_close(out.double(), ref_decode(q, kc, vc, bt, sl, 0.125), atol=2e-5,
+                               rtol=0)
+    assert dispatch.route_counts() == {"native_v1": 0, "native_v2": 0, "fallback": 1}

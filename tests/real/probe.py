@@ -156,6 +156,11 @@ def mode_late():
 
     pa = importlib.import_module(PA)
     cls = pa.PagedAttention
+    # Where auto mode detects Iluvatar (the CoreX stand-in), the shim patched paged_attn at
+    # its import: go back to stock first, so that apply() meets an imported, unpatched module.
+    active_at_start = shim.status()["active"]
+    if active_at_start:
+        shim.revert()
     before = {n: vars(cls)[n] for n in ("forward_decode", "forward_prefix")}
     binding_before = vars(pa).get("context_attention_fwd")
     prefix_before = prefix_state()
@@ -165,7 +170,7 @@ def mode_late():
     patched = patched_state(cls)
     bound_substitute = vars(pa).get("context_attention_fwd") is import_guard.context_attention_fwd
     shim.revert()
-    emit(prefix_before=prefix_before, patched=patched,
+    emit(prefix_before=prefix_before, patched=patched, active_at_start=active_at_start,
          had_binding=binding_before is not None, bound_substitute=bound_substitute,
          exact=all(vars(cls)[n] is d for n, d in before.items()),
          binding_restored=vars(pa).get("context_attention_fwd") is binding_before,

@@ -2,17 +2,22 @@
 
 The patch layer calls ``decode`` with the arguments vLLM passed to
 ``PagedAttention.forward_decode`` and the ops module that holds the native kernels (or
-``None``); this module never imports vLLM.  The rules are the field-tested seed's, with its
-defects fixed:
+``None``); this module never imports vLLM.  The rules:
 
+- the native kernels are called as the installed build defines them (``native.NativeOps``:
+  stock or Iluvatar vendor convention, each kernel's own parameters, stubs that only raise
+  NotImplementedError treated as absent);
 - native when ``ops`` is given and the head size is one the kernels are built for, fallback
   otherwise or when the longest sequence exceeds ``fallback_above`` (``0``: always);
+- V1 is never given a ``max_seq_len`` above its limit: V1 keeps the logits of the whole
+  sequence in shared memory sized from ``max_seq_len`` (Iluvatar BI-V100: correct through
+  32,768 tokens, hangs above; stock CUDA: 8,192);
+- when both V1 and V2 exist and V1 is safe, the BI-V100 occupancy rule chooses
+  (``sm_count * sm_occupancy * subscription`` CTAs); when only one exists it is used where
+  safe; otherwise the pure-PyTorch decode runs;
+- an fp8 cache never reaches a kernel that cannot take the scales (CoreX 3.2.3's V1);
 - blocksparse attention is native-only: a case that would fall back raises
   NotImplementedError instead of silently ignoring the sparsity;
-- V1 versus V2 follows the BI-V100 occupancy rule (``sm_count * sm_occupancy *
-  subscription`` CTAs), *and* V1 is never used above ``v1_max_seq_len``: V1 keeps the logits
-  of the whole sequence in shared memory sized from ``max_seq_len`` (the seed dropped this
-  guard and fails on BI-V100 for long contexts);
 - the actual longest sequence is read only when it is free (CPU tensors) or needed (eager
   mode, ``max_seq_len`` above the threshold), once per ``seq_lens`` tensor version, and never
   during CUDA-graph capture;
@@ -23,16 +28,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import native
 from ._common import ScaleLike, ceil_div
 from .decode import paged_decode
 
 __all__ = [
+    "ILUVATAR_V1_MAX_SEQ_LEN",
     "NATIVE_HEAD_SIZES",
+    "STOCK_V1_MAX_SEQ_LEN",
     "ROUTE_COUNTS",
     "DecodeRouting",
     "decode",
@@ -40,6 +49,7 @@ __all__ = [
     "route_counts",
     "scratch_bytes",
     "use_v1",
+    "v1_limit",
 ]
 
 logger = logging.getLogger("vllm.bi100_patch")
@@ -47,8 +57,13 @@ logger = logging.getLogger("vllm.bi100_patch")
 #: Head sizes vLLM's native paged-attention kernels are instantiated for.
 NATIVE_HEAD_SIZES: Tuple[int, ...] = (64, 80, 96, 112, 120, 128, 192, 256)
 
+#: V1's longest safe ``max_seq_len`` on Iluvatar BI-V100 (field-measured) and stock CUDA.
+ILUVATAR_V1_MAX_SEQ_LEN = 32768
+STOCK_V1_MAX_SEQ_LEN = 8192
+
 #: How many decode calls took each route (the patch layer reports them in ``status()``).
 ROUTE_COUNTS: Dict[str, int] = {"native_v1": 0, "native_v2": 0, "fallback": 0}
+_counts_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +75,8 @@ class DecodeRouting:
     sm_occupancy: int = 1
     subscription: int = 5
     partition_size: int = 512
-    v1_max_seq_len: int = 8192
+    #: Longest max_seq_len V1 may get; None: by convention (vendor 32,768, stock 8,192).
+    v1_max_seq_len: Optional[int] = None
 
     @property
     def max_blocks(self) -> int:
@@ -70,13 +86,20 @@ class DecodeRouting:
 
 def route_counts() -> Dict[str, int]:
     """A copy of the route counters."""
-    return dict(ROUTE_COUNTS)
+    with _counts_lock:
+        return dict(ROUTE_COUNTS)
 
 
 def reset_route_counts() -> None:
     """Zero the route counters."""
-    for key in ROUTE_COUNTS:
-        ROUTE_COUNTS[key] = 0
+    with _counts_lock:
+        for key in ROUTE_COUNTS:
+            ROUTE_COUNTS[key] = 0
+
+
+def _bump(route: str) -> None:
+    with _counts_lock:
+        ROUTE_COUNTS[route] += 1
 
 
 def use_v1(num_seqs: int, num_heads: int, max_seq_len: int, routing: DecodeRouting) -> bool:
@@ -86,7 +109,8 @@ def use_v1(num_seqs: int, num_heads: int, max_seq_len: int, routing: DecodeRouti
     ``num_seqs * num_heads`` CTAs already fill the device; never above
     ``routing.v1_max_seq_len``, where V1's shared-memory logits do not fit.
     """
-    if max_seq_len > routing.v1_max_seq_len:
+    limit = routing.v1_max_seq_len
+    if max_seq_len > (STOCK_V1_MAX_SEQ_LEN if limit is None else limit):
         return False
     total_tiles = ceil_div(max(0, max_seq_len), routing.partition_size)
     grid = min(total_tiles, routing.max_blocks)
@@ -101,12 +125,18 @@ def decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     kv_cache_dtype: str,
-    num_kv_heads: int,
+    num_kv_heads: Union[int, torch.Tensor],
     scale: float,
     alibi_slopes: Optional[torch.Tensor],
-    scale_args: Tuple[Any, ...],
-    tail_args: Tuple[Any, ...],
     *,
+    k_scale: ScaleLike = 1.0,
+    v_scale: ScaleLike = 1.0,
+    kv_scale: Optional[ScaleLike] = None,
+    tp_rank: int = 0,
+    blocksparse_local_blocks: int = 0,
+    blocksparse_vert_stride: int = 0,
+    blocksparse_block_size: int = 64,
+    blocksparse_head_sliding_step: int = 0,
     ops: Any,
     routing: DecodeRouting,
 ) -> torch.Tensor:
@@ -114,12 +144,16 @@ def decode(
 
     Args:
         query ... alibi_slopes: ``forward_decode``'s leading arguments, as vLLM passed them.
-        scale_args: ``(kv_scale,)`` (vLLM 0.5.0-0.5.2) or ``(k_scale, v_scale)``; passed to
-            the native kernels unchanged; the fallback uses ``k = v = kv_scale`` for the
-            1-tuple.
-        tail_args: ``(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
-            blocksparse_block_size, blocksparse_head_sliding_step)``, passed unchanged.
-        ops: module with ``paged_attention_v1``/``paged_attention_v2``, or None.
+            ``num_kv_heads`` may be the ``head_mapping`` tensor Iluvatar's XFormers backend
+            passes in its place (one int32 entry per query head): it is handed unchanged to a
+            kernel that takes ``head_mapping``; a stock-convention kernel gets the cache's KV
+            head count instead.
+        k_scale, v_scale: fp8 dequantisation scales.
+        kv_scale: vLLM 0.5.0 - 0.5.2's single scale (used for K and V; given to the native
+            kernels as ``kv_scale``); None for later families.
+        tp_rank, blocksparse_*: passed to native kernels that take them.
+        ops: module with ``paged_attention_v1``/``paged_attention_v2`` (profiled once, see
+            ``native.NativeOps``), or None.
         routing: the routing parameters.
 
     Returns:
@@ -127,64 +161,146 @@ def decode(
 
     Raises:
         NotImplementedError: blocksparse attention that would have to fall back.
-        ValueError: ``scale_args`` of the wrong length; V2 with a partition size that is not
-            a multiple of the block size.
+        ValueError: a ``head_mapping`` of the wrong shape, an int ``num_kv_heads`` that does
+            not match the cache, a ``max_seq_len`` that is not a finite integer.
     """
     num_seqs, num_heads, head_size = query.shape
-    k_scale, v_scale = _fallback_scales(scale_args)
-    vert_stride = tail_args[2] if len(tail_args) > 2 else 0
-    blocksparse = vert_stride is not None and vert_stride > 1
+    max_seq_len = _as_int("max_seq_len", max_seq_len)
+    if kv_scale is not None:
+        k_scale = v_scale = kv_scale
+    kv_heads = int(key_cache.shape[1]) if key_cache.dim() >= 2 else 0
+    native.check_head_mapping(num_kv_heads, num_heads, kv_heads)
+    blocksparse = blocksparse_vert_stride is not None and blocksparse_vert_stride > 1
+    profile = native.NativeOps.of(ops) if ops is not None else None
 
-    fallback = ops is None or head_size not in NATIVE_HEAD_SIZES
-    if not fallback and routing.fallback_above is not None:
+    route, why = _choose(profile, query, value_cache.shape[3], seq_lens, max_seq_len,
+                         kv_cache_dtype, blocksparse, routing)
+    while route != "fallback":
+        assert profile is not None
+        out = torch.empty_like(query)
+        values = {
+            "out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
+            "num_kv_heads": native.kv_heads_of(num_kv_heads, key_cache),
+            "head_mapping": native.head_mapping_for(num_kv_heads, num_heads, query.device),
+            "scale": scale, "block_tables": block_tables, "seq_lens": seq_lens,
+            "block_size": value_cache.shape[3], "max_seq_len": max_seq_len,
+            "alibi_slopes": alibi_slopes, "kv_cache_dtype": kv_cache_dtype,
+            "k_scale": k_scale, "v_scale": v_scale, "tp_rank": tp_rank,
+            "blocksparse_local_blocks": blocksparse_local_blocks,
+            "blocksparse_vert_stride": blocksparse_vert_stride,
+            "blocksparse_block_size": blocksparse_block_size,
+            "blocksparse_head_sliding_step": blocksparse_head_sliding_step,
+        }
+        if kv_scale is not None:
+            values["kv_scale"] = kv_scale
+        if route == "native_v2":
+            partitions = ceil_div(max_seq_len, routing.partition_size)
+            values["exp_sum"], values["max_logits"], values["tmp_out"] = _SCRATCH.get(
+                num_seqs, num_heads, partitions, head_size, out.dtype, out.device)
+        if profile.call(route[len("native_"):], values):
+            _bump(route)
+            return out
+        # The kernel turned out to be a stub: it is now marked absent; choose again.
+        route, why = _choose(profile, query, value_cache.shape[3], seq_lens, max_seq_len,
+                             kv_cache_dtype, blocksparse, routing)
+
+    if blocksparse:
+        raise NotImplementedError(
+            f"blocksparse paged attention (blocksparse_vert_stride={blocksparse_vert_stride}) "
+            f"is only available in the native kernels, but this call would fall back ({why}); "
+            "the pure-PyTorch decode does not implement block sparsity")
+    _bump("fallback")
+    return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                        alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype,
+                        k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
+
+
+def v1_limit(profile: Optional[native.NativeOps], routing: DecodeRouting) -> int:
+    """The longest ``max_seq_len`` V1 may be given: the configured limit, else Iluvatar's
+    32,768 for the vendor convention and stock CUDA's 8,192 otherwise."""
+    if routing.v1_max_seq_len is not None:
+        return routing.v1_max_seq_len
+    if profile is not None and profile.convention == "vendor":
+        return ILUVATAR_V1_MAX_SEQ_LEN
+    return STOCK_V1_MAX_SEQ_LEN
+
+
+def _usable(kernel: native.KernelProfile, kv_cache_dtype: str, blocksparse: bool) -> bool:
+    """Present, and able to take what this call needs (fp8 scales, block sparsity)."""
+    if not kernel.present:
+        return False
+    if kv_cache_dtype not in ("auto", None) and not (kernel.takes_scales
+                                                     and kernel.takes_kv_cache_dtype):
+        return False  # e.g. CoreX 3.2.3's V1 ignores kv_cache_dtype: fp8 would be read raw
+    if blocksparse and not kernel.takes_blocksparse:
+        return False
+    return True
+
+
+def _choose(profile: Optional[native.NativeOps], query: torch.Tensor, block_size: int,
+            seq_lens: torch.Tensor, max_seq_len: int, kv_cache_dtype: str, blocksparse: bool,
+            routing: DecodeRouting) -> Tuple[str, str]:
+    """The route for this call and, for the fallback, why."""
+    num_seqs, num_heads, head_size = query.shape
+    if profile is None:
+        return "fallback", "no native ops"
+    if head_size not in NATIVE_HEAD_SIZES:
+        return "fallback", f"head size {head_size} has no native kernel"
+    if routing.fallback_above is not None:
         threshold = routing.fallback_above
-        fallback = threshold == 0 or _longest(seq_lens, max_seq_len, threshold) > threshold
-
-    if fallback:
-        if blocksparse:
-            why = ("no native ops" if ops is None else
-                   f"head size {head_size} has no native kernel"
-                   if head_size not in NATIVE_HEAD_SIZES else
-                   f"fallback_above={routing.fallback_above}")
-            raise NotImplementedError(
-                f"blocksparse paged attention (blocksparse_vert_stride={vert_stride}) is only "
-                f"available in the native kernels, but this call would fall back ({why}); "
-                "the pure-PyTorch decode does not implement block sparsity")
-        ROUTE_COUNTS["fallback"] += 1
-        return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                            alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype,
-                            k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
-
-    block_size = value_cache.shape[3]
-    out = torch.empty_like(query)
-    if use_v1(num_seqs, num_heads, max_seq_len, routing):
-        ROUTE_COUNTS["native_v1"] += 1
-        ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                               block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                               kv_cache_dtype, *scale_args, *tail_args)
-        return out
-
-    if routing.partition_size % block_size != 0:
-        raise ValueError(
-            f"paged_attention_v2 needs partition_size ({routing.partition_size}) to be a "
-            f"multiple of block_size ({block_size})")
-    partitions = ceil_div(max_seq_len, routing.partition_size)
-    exp_sums, max_logits, tmp_out = _SCRATCH.get(num_seqs, num_heads, partitions, head_size,
-                                                 out.dtype, out.device)
-    ROUTE_COUNTS["native_v2"] += 1
-    ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
-                           num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                           alibi_slopes, kv_cache_dtype, *scale_args, *tail_args)
-    return out
+        if threshold == 0 or _longest(seq_lens, max_seq_len, threshold) > threshold:
+            return "fallback", f"fallback_above={threshold}"
+    limit = v1_limit(profile, routing)
+    v1 = _usable(profile.v1, kv_cache_dtype, blocksparse) and max_seq_len <= limit
+    v2 = (_usable(profile.v2, kv_cache_dtype, blocksparse)
+          and routing.partition_size % block_size == 0)
+    if v1 and v2:
+        return ("native_v1" if use_v1(num_seqs, num_heads, max_seq_len,
+                                      dataclasses.replace(routing, v1_max_seq_len=limit))
+                else "native_v2"), ""
+    if v1:
+        return "native_v1", ""
+    if v2:
+        return "native_v2", ""
+    return "fallback", (f"max_seq_len {max_seq_len} is above V1's limit {limit} and V2 is "
+                        f"{profile.v2.describe()}" if profile.v1.present else
+                        f"V1 is {profile.v1.describe()}, V2 is {profile.v2.describe()}")
 
 
-def _fallback_scales(scale_args: Tuple[Any, ...]) -> Tuple[ScaleLike, ScaleLike]:
-    if len(scale_args) == 1:
-        return scale_args[0], scale_args[0]
-    if len(scale_args) == 2:
-        return scale_args[0], scale_args[1]
-    raise ValueError(f"scale_args must be (kv_scale,) or (k_scale, v_scale), got "
-                     f"{len(scale_args)} values")
+def describe(ops: Any, routing: DecodeRouting) -> Dict[str, Any]:
+    """The native-ops profile and the route each length band takes (``status``/``doctor``)."""
+    if ops is None:
+        return {"native_ops": None, "v1_limit": None,
+                "bands": ["every length: pure-PyTorch decode (no native ops)"]}
+    profile = native.NativeOps.of(ops)
+    limit = v1_limit(profile, routing)
+    v1, v2 = profile.v1.present, profile.v2.present
+    if routing.fallback_above == 0:
+        bands = ["every length: pure-PyTorch decode (fallback forced)"]
+    elif v1 and v2:
+        bands = [f"max_seq_len <= {limit}: native V1 or V2 (occupancy rule)",
+                 f"max_seq_len > {limit}: native V2"]
+    elif v1:
+        bands = [f"max_seq_len <= {limit}: native V1",
+                 f"max_seq_len > {limit}: pure-PyTorch decode (no V2)"]
+    elif v2:
+        bands = ["every length: native V2 (no V1)"]
+    else:
+        bands = ["every length: pure-PyTorch decode (no usable native kernel)"]
+    if routing.fallback_above:
+        bands.append(f"longest sequence > {routing.fallback_above}: pure-PyTorch decode")
+    if (v1 or v2) and routing.fallback_above != 0:
+        bands.append(f"head sizes outside {list(NATIVE_HEAD_SIZES)}: pure-PyTorch decode")
+        if v1 and not profile.v1.takes_scales:
+            bands.append("fp8 KV cache: V1 takes no scales, so not V1")
+    return {"native_ops": profile.describe(), "v1_limit": limit, "bands": bands}
+
+
+def _as_int(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a finite integer, got {value!r}") from None
 
 
 # --- the actual longest sequence, without syncs that matter -------------------------------

@@ -163,24 +163,47 @@ class _Routing:
             s = self.settings
             self._value = dispatch.DecodeRouting(
                 fallback_above=s.decode_fallback_above, sm_count=hardware.sm_count(s.sm_count),
-                sm_occupancy=s.sm_occupancy, subscription=s.subscription)
+                sm_occupancy=s.sm_occupancy, subscription=s.subscription,
+                v1_max_seq_len=v1_max_seq_len(s))
         return self._value
+
+
+def v1_max_seq_len(settings: config.Settings) -> Optional[int]:
+    """V1's length limit: the configured one; Iluvatar's 32,768 when this is an Iluvatar
+    machine (ixformer, a CoreX torch, or an Iluvatar device); else None, which lets the
+    dispatch decide by the ops convention (vendor 32,768, stock 8,192)."""
+    if settings.v1_max_seq_len is not None:
+        return settings.v1_max_seq_len
+    if hardware.looks_like_iluvatar() or hardware.device_facts().get("iluvatar"):
+        return dispatch.ILUVATAR_V1_MAX_SEQ_LEN
+    return None
+
+
+#: The module and routing of the last decode patch, for ``native_profile()``.
+_profiled: Dict[str, Any] = {}
+
+
+def native_profile() -> Optional[Dict[str, Any]]:
+    """The native-ops profile of the patched module and the route each length band takes
+    (None before the decode patch was applied)."""
+    module, routing = _profiled.get("module"), _profiled.get("routing")
+    if module is None or routing is None:
+        return None
+    return dispatch.describe(_native_ops(module), routing.get())
 
 
 def make_decode_wrapper(family: Family, original: Callable[..., Any],
                         module: types.ModuleType, settings: config.Settings) -> Wrapper:
     reader = ArgReader.for_function(original, family.decode_params, "forward_decode")
-    n_scales = len(family.decode_scale_names)
+    names = reader.params
     routing = _Routing(settings)
+    _profiled.update(module=module, routing=routing)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        v = reader.read(args, kwargs)
+        values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
         _count("forward_decode")
-        scales = tuple(v[10:10 + n_scales])
-        tail = tuple(v[10 + n_scales:])
-        return dispatch.decode(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
-                               scales, tail, ops=_native_ops(module), routing=routing.get())
+        return dispatch.decode(**values, ops=_native_ops(module), routing=routing.get())
 
     return forward_decode
 

@@ -1,0 +1,160 @@
+"""The CoreX 3.2.3 stand-in (``nox -s real-corex-3.2.3``): the vendor build's own behaviour,
+and the shim on it in auto mode, driven as the vendor XFormers backend drives vLLM.
+
+Each probe runs in a fresh interpreter of the session's venv, where the shim is installed from
+its wheel (sitecustomize, .pth and entry point are the real ones) and the official vLLM
+0.6.3.post1 carries the vendor deltas of ``tests/corex/standin.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.corex
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+V1_LIMIT = 32768
+
+
+def probe(mode: str, **env: str):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI100")}
+    full.pop("PYTHONPATH", None)
+    full.update(env)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "probe_corex.py"), mode],
+                          env=full, capture_output=True, text=True, timeout=1200, cwd=HERE)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@REPORT@@")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"probe {mode} failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    log = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines()
+                    if not ln.startswith("@@REPORT@@"))
+    return json.loads(lines[-1][len("@@REPORT@@"):]), log
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return probe("facts")
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return probe("stock", VLLM_BI100_PATCH="0")
+
+
+@pytest.fixture(scope="module")
+def decode_grid():
+    return probe("decode")
+
+
+@pytest.fixture(scope="module")
+def prefix_run():
+    return probe("prefix")
+
+
+def test_standin_is_the_vendor_build(facts):
+    report, _ = facts
+    assert report["version"] == "0.6.3+corex.3.2.3"
+    assert report["has_triton"] is False
+    assert report["v1_params"] == ["output", "query", "key_cache", "value_cache", "head_mapping",
+                                   "scale", "block_tables", "context_lens", "block_size",
+                                   "max_context_len", "alibi_slopes", "kv_cache_dtype"]
+    assert report["v2_params"][7] == "num_kv_heads" and len(report["v2_params"]) == 22
+    assert report["binds_context_attention_fwd"] is False
+    assert report["ixformer"] == "0.4.0+corex.3.2.3"
+
+
+def test_auto_mode_activates_and_reports_the_vendor_version(facts):
+    report, log = facts
+    st = report["status"]
+    assert st["mode"] == "auto" and st["active"] is True, st
+    assert st["vllm_version"] == "0.6.3+corex.3.2.3" and st["family"] == "v0.5.5"
+    assert set(st["activated_by"]) >= {"sitecustomize"}
+    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix"]
+    assert "vllm-bi100-patch active: vLLM 0.6.3+corex.3.2.3" in log
+
+
+def test_kill_switch_gives_the_vendor_build_with_its_hazards(stock):
+    """Faithfulness: with the shim off, the stand-in fails exactly where the real build does."""
+    report, log = stock
+    assert report["decode_32768_worst"] <= 1.0  # the fake V1 is a correct kernel
+    assert report["decode_32769"].startswith("BI100Hang: paged attention V1 with "
+                                             "max_context_len=32769")
+    assert report["forward_prefix"] == "NameError: name 'context_attention_fwd' is not defined"
+    assert report["import_prefix_prefill"].startswith("RuntimeError: CoreX stand-in")
+    assert report["swap_blocks"].startswith("AttributeError: module 'ixformer.functions' has no "
+                                            "attribute 'swap_blocks'")
+    assert report["v2"].startswith("NotImplementedError")
+    assert "vllm-bi100-patch active" not in log
+
+
+def _cases(grid):
+    report, _ = grid
+    return report["cases"]
+
+
+def _ids(case):
+    return (f"h{case['heads']}kv{case['kv_heads']}-d{case['head_size']}-{case['dtype']}-"
+            + "+".join(map(str, case["lengths"])))
+
+
+def test_decode_grid_matches_reference_on_the_route_the_length_allows(decode_grid):
+    cases = _cases(decode_grid)
+    assert len(cases) == 10 + 3 * 2 * 2 * 3
+    failures = []
+    for case in cases:
+        name = _ids(case)
+        if "error" in case:
+            failures.append(f"{name}: {case['error']}")
+            continue
+        if case["worst"] > 1.0:
+            failures.append(f"{name}: error {case['worst']:.2f} x tolerance")
+        # The test can fail: a dropped last key moves the output by far more than the
+        # tolerance (planted needles carry ~40% of the attention).
+        assert case["needle_weight_effect"] > 0.1, name
+        longest = max(case["lengths"])
+        want = "native_v1" if longest <= V1_LIMIT else "fallback"
+        routes = case["routes"]
+        expected = {"native_v1": int(want == "native_v1"), "native_v2": 0,
+                    "fallback": int(want == "fallback"),
+                    "ixformer_v1": int(want == "native_v1")}
+        if routes != expected:
+            failures.append(f"{name}: routes {routes}, expected {expected}")
+    assert not failures, "\n".join(failures)
+
+
+def test_decode_status_counts_and_v2_never_called(decode_grid):
+    report, log = decode_grid
+    counts = report["status"]["counts"]
+    cases = report["cases"]
+    v1 = sum(1 for c in cases if max(c["lengths"]) <= V1_LIMIT)
+    assert counts["decode_native_v1"] == v1 and counts["decode_native_v2"] == 0
+    assert counts["decode_fallback"] == len(cases) - v1
+    assert counts["forward_decode"] == len(cases)
+    assert "NotImplementedError" not in log and "Error in calling custom op" not in log
+
+
+def test_decode_status_shows_the_vendor_profile(decode_grid):
+    st = decode_grid[0]["status"]
+    native = st["native_ops"]
+    assert native["native_ops"]["convention"] == "vendor"
+    assert native["native_ops"]["paged_attention_v2"].startswith("absent (its body only raises")
+    assert native["v1_limit"] == V1_LIMIT
+    assert native["bands"][:2] == ["max_seq_len <= 32768: native V1",
+                                   "max_seq_len > 32768: pure-PyTorch decode (no V2)"]
+
+
+def test_prefix_chunked_and_prefix_hit_match_reference(prefix_run):
+    report, _ = prefix_run
+    results = report["results"]
+    kinds = [(r["kind"], r["context"]) for r in results]
+    assert kinds == [("chunk", 0), ("chunk", 64), ("chunk", 164), ("chunk", 200),
+                     ("prefix-hit", 256)] * 2
+    bad = [r for r in results if r["worst"] > 1.0]
+    assert not bad, bad
+    assert report["status"]["counts"]["forward_prefix"] == len(results)
+    assert report["status"]["import_guard"]["prefix_prefill"] == "absent"
