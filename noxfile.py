@@ -2,7 +2,7 @@
 vLLM releases from different signature families. ``nox -s matrix`` runs every release line.
 
 Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env.py,
-DESIGN.md §5) plus the shim from a freshly built wheel, then run tests/real against it.
+docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import vllm_env  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
 from nox_serve import serve_cpu as _serve_cpu  # noqa: E402
 
-#: One release per signature family (DESIGN.md §2) plus the first release without the methods.
+#: One release per signature family (docs/vllm-versions.md) plus the first release without the methods.
 #: 0.5.2 and 0.5.4 are tried: tests/real checks them like every other release.
 MATRIX = ("0.5.2", "0.5.4", "0.6.3.post1", "0.6.6.post1", "0.7.3", "0.8.5", "0.9.2", "0.10.2",
           "0.11.0", "0.11.2", "0.12.0")

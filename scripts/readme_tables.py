@@ -32,8 +32,24 @@ def nox_releases(name: str) -> tuple:
     raise LookupError(f"{name} not found in noxfile.py")
 
 
+def nox_string(name: str) -> str:
+    tree = ast.parse(open(os.path.join(ROOT, "noxfile.py")).read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            value = ast.literal_eval(node.value)
+            if isinstance(value, str):
+                return value
+    raise LookupError(f"string {name} not found in noxfile.py")
+
+
+#: The vendor build the CoreX stand-in session models (docs/corex-3.2.3.md).
+COREX_VERSION = "0.6.3+corex.3.2.3"
+
+
 def versions_block() -> str:
     matrix, default = nox_releases("MATRIX"), nox_releases("DEFAULT_REAL")
+    corex = nox_string("COREX")
     lines = versions.support_table().splitlines()
     out = [lines[0] + " tested for real (nox session) |", lines[1] + "---|"]
     fams = list(versions.FAMILIES)
@@ -41,6 +57,8 @@ def versions_block() -> str:
         tested = [v for v in matrix
                   if versions.family_for(versions.VersionInfo(v)) is fam]
         cell = ", ".join(f"`real-{v}`" + (" (default)" if v in default else "") for v in tested)
+        if versions.family_for(versions.VersionInfo(COREX_VERSION)) is fam:
+            cell += f", `{corex}` (default: the CoreX 3.2.3 stand-in, {COREX_VERSION})"
         out.append(line + f" {cell or 'none'} |")
     for line in lines[2 + len(fams):]:
         gone = [v for v in matrix if versions.family_for(versions.VersionInfo(v)) is None]

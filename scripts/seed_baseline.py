@@ -1,5 +1,5 @@
 """Seed-style baseline for the benchmark only: the algorithm of the field-tested seed
-(shared/seed/000_*.txt, an edited vLLM 0.6.x paged_attn.py), re-implemented for timing.
+(the field-tested hand-edited vLLM 0.6.x paged_attn.py, docs/bi100-limits.md), re-implemented for timing.
 
 Faithful to its cost structure: a Python loop over sequences with an ``.item()`` host read
 per sequence, a ``permute(...).contiguous()`` gather of each tile of blocks, float32 upcast,

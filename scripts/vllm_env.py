@@ -11,7 +11,7 @@ Command line::
 
     python scripts/vllm_env.py VERSION VENV_DIR [--cpu-wheel] [--extra PKG ...]
 
-How it works (DESIGN.md section 5): ``uv pip install vllm==VERSION`` with
+How it works (docs/cpu-testing.md): ``uv pip install vllm==VERSION`` with
 
 * ``--overrides``: torch pinned to the local CPU wheel (torch 2.13.0+cpu from pip's
   find-links, normally /opt/wheels), falling back to ``torch==2.13.0`` from PyPI;

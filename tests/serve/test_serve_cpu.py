@@ -1,6 +1,6 @@
 """A real ``vllm serve`` on CPU that decodes through the shim (``nox -s serve_cpu``).
 
-vLLM's CPU backend never calls ``paged_attn.PagedAttention`` (DESIGN.md section 5), so the
+vLLM's CPU backend never calls ``paged_attn.PagedAttention`` (docs/cpu-testing.md), so the
 test-side plugin ``tests/serve/bi100_test_plugin`` (``BI100_TEST_ROUTE_DECODE=1``) routes its
 decode call into ``paged_attn.PagedAttention.forward_decode``. Three servers of the same tiny
 locally-built Llama then run the same concurrent greedy requests:
