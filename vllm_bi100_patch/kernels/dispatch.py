@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,6 +50,8 @@ NATIVE_HEAD_SIZES: Tuple[int, ...] = (64, 80, 96, 112, 120, 128, 192, 256)
 
 #: How many decode calls took each route (the patch layer reports them in ``status()``).
 ROUTE_COUNTS: Dict[str, int] = {"native_v1": 0, "native_v2": 0, "fallback": 0}
+#: Guards ROUTE_COUNTS (``d[k] += 1`` is not atomic across threads).
+_counts_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +72,21 @@ class DecodeRouting:
 
 
 def route_counts() -> Dict[str, int]:
-    """A copy of the route counters."""
-    return dict(ROUTE_COUNTS)
+    """A consistent copy of the route counters."""
+    with _counts_lock:
+        return dict(ROUTE_COUNTS)
 
 
 def reset_route_counts() -> None:
     """Zero the route counters."""
-    for key in ROUTE_COUNTS:
-        ROUTE_COUNTS[key] = 0
+    with _counts_lock:
+        for key in ROUTE_COUNTS:
+            ROUTE_COUNTS[key] = 0
+
+
+def _count_route(route: str) -> None:
+    with _counts_lock:
+        ROUTE_COUNTS[route] += 1
 
 
 def use_v1(num_seqs: int, num_heads: int, max_seq_len: int, routing: DecodeRouting) -> bool:
@@ -150,7 +160,7 @@ def decode(
                 f"blocksparse paged attention (blocksparse_vert_stride={vert_stride}) is only "
                 f"available in the native kernels, but this call would fall back ({why}); "
                 "the pure-PyTorch decode does not implement block sparsity")
-        ROUTE_COUNTS["fallback"] += 1
+        _count_route("fallback")
         return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                             alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype,
                             k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
@@ -158,7 +168,7 @@ def decode(
     block_size = value_cache.shape[3]
     out = torch.empty_like(query)
     if use_v1(num_seqs, num_heads, max_seq_len, routing):
-        ROUTE_COUNTS["native_v1"] += 1
+        _count_route("native_v1")
         ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
                                block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
                                kv_cache_dtype, *scale_args, *tail_args)
@@ -171,7 +181,7 @@ def decode(
     partitions = ceil_div(max_seq_len, routing.partition_size)
     exp_sums, max_logits, tmp_out = _SCRATCH.get(num_seqs, num_heads, partitions, head_size,
                                                  out.dtype, out.device)
-    ROUTE_COUNTS["native_v2"] += 1
+    _count_route("native_v2")
     ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
                            num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
                            alibi_slopes, kv_cache_dtype, *scale_args, *tail_args)
