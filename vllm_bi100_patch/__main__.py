@@ -72,17 +72,27 @@ def verdict(settings: config.Settings, info: versions.VersionInfo,
     ``_bootstrap.gate`` (configuration, hardware, vLLM present), the version family, the code
     check (``code_problems``; None: not checked) and the activation paths (None: not checked).
     """
+    result = _verdict(settings, info, code_problems, activation_ok)
+    if settings.errors:  # the shim ignores invalid values: always a problem to fix
+        prefix = "" if settings.mode == config.INVALID else result.text + "; "
+        result = Verdict(result.patches, prefix + "invalid configuration: " +
+                         "; ".join(settings.errors), EXIT_CONFIG)
+    return result
+
+
+def _verdict(settings: config.Settings, info: versions.VersionInfo,
+             code_problems: Optional[List[str]], activation_ok: Optional[bool]) -> Verdict:
     from . import registry
 
-    if settings.errors:
-        return Verdict(False, "invalid configuration: " + "; ".join(settings.errors),
-                       EXIT_CONFIG)
     closed = _bootstrap.gate(settings)
     if closed is not None:
         kind, why = closed
         code = EXIT_OK if kind in ("kill_switch", "not_iluvatar") else EXIT_WONT_PATCH
         if kind == "no_vllm":
             why = f"vLLM not installed in this environment ({sys.executable}); nothing to patch"
+            if settings.mode == "auto" and not hardware.looks_like_iluvatar():
+                code = EXIT_OK  # auto on a machine without the Iluvatar stack asks for nothing
+                why += f"; {settings.mode_text()} and no Iluvatar stack detected either"
         return Verdict(False, "will NOT patch: " + why, code)
     family = versions.family_for(info)
     if family is None:
@@ -215,7 +225,7 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     code_problems: Optional[List[str]] = None
-    if family is not None and _bootstrap.gate(settings) is None and not settings.errors:
+    if family is not None and _bootstrap.gate(settings) is None:
         checks = _code_checks(settings, family)
         sections.append(Section("code checks", checks))
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]

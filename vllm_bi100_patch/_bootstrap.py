@@ -140,11 +140,11 @@ def gate(settings: config.Settings, force: bool = False) -> Optional[Tuple[str, 
         return "kill_switch", f"{settings.mode_text()} (kill switch): nothing patched, stock vLLM"
     from . import hardware
 
+    if not hardware.findable("vllm"):
+        return "no_vllm", "vLLM not installed in this environment (nothing to patch)"
     if settings.mode == "auto" and not force and not hardware.looks_like_iluvatar():
         return "not_iluvatar", (f"{settings.mode_text()} and no Iluvatar stack detected (no "
                                 f"ixformer, no +corex torch); set {config.MODE}=1 to force")
-    if not hardware.findable("vllm"):
-        return "no_vllm", "vLLM not installed in this environment (nothing to patch)"
     return None
 
 
