@@ -142,3 +142,50 @@ def test_fallback_when_vllm_ops_have_no_kernels_behind_them(patched, monkeypatch
     assert paged_attention.call_counts()["decode_fallback"] == before + 1
     torch.testing.assert_close(out.double(), decode_ref(query, kc, vc, bt, seq_lens, 0.125),
                                atol=ATOL, rtol=0)
+
+
+def _prefix_values(fam, seed=1):
+    g, kc, vc, bt, seq_lens, ks, vs = _scenario(seed=seed)
+    new = torch.tensor([5, 1, 3], dtype=torch.int32)
+    context_lens = seq_lens - new
+    qsl = torch.zeros(4, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(new, 0)
+    key = torch.cat([k[c:] for k, c in zip(ks, context_lens.tolist())])
+    value = torch.cat([v[c:] for v, c in zip(vs, context_lens.tolist())])
+    return {
+        "query": torch.randn(int(new.sum()), HEADS, D, generator=g), "key": key, "value": value,
+        "kv_cache_dtype": "auto", "key_cache": kc, "value_cache": vc, "block_tables": bt,
+        "query_start_loc": qsl, "seq_lens_tensor": seq_lens, "context_lens": context_lens,
+        "max_query_len": int(new.max()), "alibi_slopes": None, "sliding_window": None,
+        "k_scale": _scales(fam)[0], "v_scale": _scales(fam)[0],
+    }
+
+
+@pytest.mark.parametrize("arg,value,error,match", [
+    ("max_seq_len", float("inf"), ValueError, r"max_seq_len must be an integer >= 0, got inf"),
+    ("scale", None, TypeError, r"scale must be a float or a 1-element tensor, got None"),
+])
+def test_decode_errors_name_the_argument_and_value(patched, arg, value, error, match):
+    mod, fam = patched("0.8.5")
+    g, kc, vc, bt, seq_lens, _, _ = _scenario()
+    args = dict(zip(fam.decode_params, (torch.randn(3, HEADS, D, generator=g), kc, vc, bt,
+                                        seq_lens, 64, "auto", KV_HEADS, 0.125, None,
+                                        *_scales(fam))))
+    args[arg] = value
+    with pytest.raises(error, match=match):
+        mod.PagedAttention.forward_decode(**args)
+
+
+@pytest.mark.parametrize("version", ["0.6.3.post1", "0.8.5"])
+def test_prefix_errors_name_the_argument_and_value(patched, version):
+    mod, fam = patched(version)
+    for name in ("key", "value"):
+        values = _prefix_values(fam)
+        values[name] = torch.empty(values[name].shape, device="meta")
+        with pytest.raises(ValueError, match=f"^{name} is on meta but query is on cpu"):
+            mod.PagedAttention.forward_prefix(*[values[p] for p in fam.prefix_params])
+    values = _prefix_values(fam)
+    values["query_start_loc"] = torch.tensor([0, 5, 4, 9], dtype=torch.int32)
+    # from 0.8.0 on, context_lens is derived from query_start_loc: still blamed on the cause
+    with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing .*\[0, 5, 4, 9\]"):
+        mod.PagedAttention.forward_prefix(*[values[p] for p in fam.prefix_params])
