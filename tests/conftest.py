@@ -14,6 +14,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from shimtest import ROOT, TEST_DEPS_SITE, venv_site_packages, write_fake_vllm  # noqa: E402
 
+
+def reset_shim_state() -> None:
+    """Forget everything the shim did in this process: patches reverted, registry, bootstrap
+    and import-guard state cleared, finders off sys.meta_path, counters zeroed, logger level
+    back to inherited. Run before and after every test (autouse), so no test sees another's
+    ``_installed``/``_originals``, warnings already given, or an armed bootstrap."""
+    import logging
+
+    from vllm_bi100_patch import _bootstrap, import_guard, registry
+
+    with _bootstrap._lock:
+        _bootstrap.deactivate()
+        with registry._lock:
+            registry.revert_all()
+            registry._originals.clear()
+            registry._installed.clear()
+            registry._warned.clear()
+            registry._last_report = registry.Report()
+        _bootstrap._sources.clear()
+        _bootstrap._finder.hooks.clear()
+        _bootstrap._finder.before.clear()
+        _bootstrap._settings = None
+        _bootstrap._active = False
+        _bootstrap._strict = False
+        _bootstrap._decision = "not bootstrapped"
+        _bootstrap._last_error = None
+        _bootstrap._config_reported = False
+        import_guard.uninstall()
+    if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
+        sys.modules["vllm_bi100_patch.patches.paged_attention"].reset_call_counts()
+    logging.getLogger("vllm.bi100_patch").setLevel(logging.NOTSET)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_shim_state():
+    reset_shim_state()
+    yield
+    reset_shim_state()
+
+
 def _purge_vllm() -> None:
     for name in list(sys.modules):
         if name == "vllm" or name.startswith("vllm.") or name == "_fake_triton_log":
@@ -24,9 +64,6 @@ def _purge_vllm() -> None:
 def fake_vllm_factory(tmp_path, monkeypatch):
     """Make a fake vLLM tree importable in this process; cleans sys.modules/sys.path after."""
     made = []
-    from vllm_bi100_patch import registry
-
-    registry._warned.clear()
 
     def make(version: str, **options: object) -> str:
         root = str(tmp_path / f"fake-{version}-{len(made)}")
@@ -38,9 +75,7 @@ def fake_vllm_factory(tmp_path, monkeypatch):
         return root
 
     yield make
-    from vllm_bi100_patch import registry
-
-    registry.revert_all()
+    reset_shim_state()
     _purge_vllm()
 
 

@@ -53,18 +53,25 @@ ORDERS += [("apply", "apply", "import"), ("import", "apply", "apply", "revert", 
 
 
 def _expected(order):
-    imported = guard = active = False
-    prefix = "absent"
+    """(patched, prefix_prefill state, what paged_attn's context_attention_fwd is)."""
+    imported = active = False
+    prefix, bound = "absent", None
     for step in order:
-        if step == "import":
+        if step == "import" and not imported:
             imported = True
-            prefix = "substitute" if guard else "real"
+            prefix = bound = "substitute" if active else "real"
         elif step == "apply":
-            active = guard = True
+            active = True
+            if bound == "real":
+                bound = "substitute"  # re-pointed at the substitute while the guard is on
         elif step == "revert":
-            active = guard = False
-    patched = imported and active
-    return patched, prefix
+            active = False
+            if bound == "substitute":
+                # re-pointed names get the real function back; a substitute vLLM imported
+                # itself is unbound and leaves sys.modules (README: revert)
+                bound = "real" if prefix == "real" else None
+                prefix = "real" if prefix == "real" else "absent"
+    return imported and active, prefix, bound
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
@@ -76,25 +83,33 @@ def test_ordering_matrix(fake_root, order):
         if pa:
             import vllm_bi100_patch.registry as r
             from vllm_bi100_patch import import_guard
-            fn = vars(pa)["context_attention_fwd"]
-            state["bound_substitute"] = fn is import_guard.context_attention_fwd
+            fn = vars(pa).get("context_attention_fwd")
+            state["binding"] = (None if fn is None else "substitute"
+                                if fn is import_guard.context_attention_fwd else "real")
             for n in ("forward_decode", "forward_prefix"):
                 d = vars(pa.PagedAttention)[n]
                 state[n + "_original"] = (not r.is_ours(d)) and d.__func__.__module__ == "{PA}"
-        report(state=state, prefix=prefix_state(),
+        import vllm_bi100_patch as shim
+        report(state=state, prefix=prefix_state(), status=shim.status(),
+               finders=[type(f).__name__ for f in sys.meta_path],
                triton_imports=sys.modules.get("_fake_triton_log").imports
                if "_fake_triton_log" in sys.modules else [])
     """)
     # No sitecustomize here (plain interpreter, repo on PYTHONPATH): only the explicit API acts.
     result = reports(run_python(code, env=_env(fake_root, VLLM_BI100_PATCH="auto")))[-1]
-    patched, prefix = _expected(order)
+    patched, prefix, bound = _expected(order)
     assert result["prefix"] == prefix
     if "import" in order:
         st = result["state"]
         assert st["forward_decode"] is patched and st["forward_prefix"] is patched
         assert st["forward_decode_original"] is (not patched)
-        # A real module imported before activation is neutralised while active, restored after.
-        assert st["bound_substitute"] is (prefix == "substitute" or patched)
+        assert st["binding"] == bound
+    switches = [s for s in order if s != "import"]
+    active = switches[-1] == "apply"
+    assert result["status"]["active"] is active
+    # revert takes both finders off sys.meta_path; apply puts them back
+    ours = {"PostImportFinder", "PrefixPrefillGuard"} & set(result["finders"])
+    assert ours == ({"PostImportFinder", "PrefixPrefillGuard"} if active else set())
     assert (result["triton_imports"] != []) is (prefix == "real")
 
 
@@ -301,7 +316,9 @@ def test_invalid_configuration_never_breaks_the_host(shim_venv, fake_root):
     assert "VLLM_BI100_PATCH='maybe' is invalid" in proc.stderr
 
 
-def test_doctor_reports_checks_and_exit_code(shim_venv, fake_root):
+def test_doctor_in_the_installed_venv(shim_venv, fake_root):
+    """Every activation path is found, the code check runs, doctor's own process is patched
+    (the proof), and the verdict and exit code follow the configuration."""
     import subprocess
 
     script = os.path.join(os.path.dirname(shim_venv), "vllm-bi100-patch")
@@ -309,30 +326,125 @@ def test_doctor_reports_checks_and_exit_code(shim_venv, fake_root):
     ok = subprocess.run([script, "doctor"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     for line in ("[ok  ] code check forward_decode: family v0.5.5", "[ok  ] .pth:",
-                 "[ok  ] sitecustomize:", "[ok  ] entry point:", "would activate"):
+                 "[ok  ] sitecustomize:", "[ok  ] entry point:",
+                 "[info] patched: ['forward_decode', 'forward_prefix']",
+                 "verdict: WILL patch vLLM 0.6.3.post1 (family v0.5.5)"):
         assert line in ok.stdout, ok.stdout
     off = subprocess.run([script, "doctor"], env=dict(env, VLLM_BI100_PATCH="0"),
                          capture_output=True, text=True)
-    assert off.returncode == 1 and "[FAIL] mode" in off.stdout and "would NOT activate" in off.stdout
-    fam = "0.6.3"
-    renamed = os.path.join(os.path.dirname(fake_root), "renamed")
-    from fakes.fake_vllm import write_fake_vllm as write
-    from vllm_bi100_patch import versions
-
-    params = tuple("seqlens" if p == "seq_lens" else p
-                   for p in versions.family_for(versions.VersionInfo(fam)).decode_params)
-    write(renamed, fam, decode_params=params)
-    bad = subprocess.run([script, "doctor"], env=dict(env, PYTHONPATH=renamed),
-                         capture_output=True, text=True)
-    assert bad.returncode == 1 and "[FAIL] code check forward_decode" in bad.stdout
+    assert off.returncode == 0, off.stdout
+    assert "verdict: will NOT patch: VLLM_BI100_PATCH=0 (kill switch)" in off.stdout
+    assert "[as configured; exit 0]" in off.stdout and "[FAIL]" not in off.stdout
 
 
-def test_strict_mode_reports_invalid_configuration_loudly(shim_venv, fake_root):
+def _site_noise(stderr):
+    return [ln for ln in stderr.splitlines() if ln.strip()]
+
+
+def test_strict_mode_fails_the_vllm_process_once_and_leaves_others_alone(shim_venv, fake_root):
     env = _venv_env(fake_root, VLLM_BI100_PATCH_STRICT="1", VLLM_BI100_PREFIX_BUDGET_MB="lots")
-    proc = run_python("print('alive')", python=shim_venv, env=env, prelude=False)
-    # site.py reports the error of the .pth line / sitecustomize; the interpreter goes on.
-    assert "ConfigError" in proc.stderr and "VLLM_BI100_PREFIX_BUDGET_MB='lots'" in proc.stderr
-    assert proc.stdout.strip() == "alive"
-    lenient = run_python("print('alive')", python=shim_venv, prelude=False,
-                         env=_venv_env(fake_root, VLLM_BI100_PREFIX_BUDGET_MB="lots"))
-    assert "ConfigError" not in lenient.stderr and "'lots' is invalid" in lenient.stderr
+    other = run_python("print('alive')", python=shim_venv, env=env, prelude=False)
+    assert other.returncode == 0 and other.stdout.strip() == "alive"
+    assert other.stderr == ""  # no traceback, no warning: this program does not run vLLM
+    server = run_python("import vllm.attention.ops.paged_attn\nprint('started')",
+                        python=shim_venv, env=env, prelude=False)
+    assert server.returncode != 0 and "started" not in server.stdout
+    assert server.stderr.count("Traceback") == 1, server.stderr
+    last = server.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm_bi100_patch.config.ConfigError: "
+                           "VLLM_BI100_PREFIX_BUDGET_MB='lots' is invalid"), last
+    assert "VLLM_BI100_PATCH_STRICT=1" in last
+    # strict with a valid configuration: the server starts, patched
+    fine = run_python("import vllm.attention.ops.paged_attn\nreport(patched=patched())",
+                      python=shim_venv, env=_venv_env(fake_root, VLLM_BI100_PATCH_STRICT="1"))
+    assert reports(fine)[0]["patched"]["forward_decode"] is True
+
+
+def test_invalid_value_warns_once_and_only_where_vllm_runs(shim_venv, fake_root):
+    env = _venv_env(fake_root, VLLM_BI100_PREFIX_BUDGET_MB="lots")
+    other = run_python("print('alive')", python=shim_venv, env=env, prelude=False)
+    assert other.stderr == "" and other.stdout.strip() == "alive"
+    proc = run_python("import vllm.attention.ops.paged_attn\nreport(patched=patched())",
+                      python=shim_venv, env=env)
+    assert reports(proc)[0]["patched"]["forward_decode"] is True  # default budget used
+    lines = [ln for ln in proc.stderr.splitlines() if "'lots' is invalid" in ln]
+    assert len(lines) == 1 and "using the default 256" in lines[0], proc.stderr
+    # the kill switch silences the shim completely; status still reports the value
+    killed = run_python("import vllm.attention.ops.paged_attn\nimport vllm_bi100_patch as s\n"
+                        "report(errors=s.status()['config_errors'])", python=shim_venv,
+                        env=dict(env, VLLM_BI100_PATCH="0"))
+    assert "invalid" not in killed.stderr
+    assert "'lots' is invalid" in reports(killed)[0]["errors"][0]
+
+
+def test_invalid_mode_is_reported_with_its_value_and_keeps_the_shim_off(shim_venv, fake_root):
+    code = """
+        import vllm.attention.ops.paged_attn
+        import vllm_bi100_patch as shim
+        report(patched=patched(), prefix=prefix_state(), status=shim.status())
+    """
+    proc = run_python(code, python=shim_venv, env=_venv_env(fake_root, VLLM_BI100_PATCH="2"))
+    result = reports(proc)[0]
+    assert result["patched"]["forward_decode"] is False and result["prefix"] == "real"
+    assert result["status"]["decision"] == ("off: VLLM_BI100_PATCH=2 is invalid (accepted: auto, "
+                                            "1, 0); the shim stays off")
+    assert result["status"]["mode_raw"] == "2"
+    assert sum("VLLM_BI100_PATCH='2' is invalid" in ln for ln in proc.stderr.splitlines()) == 1
+
+
+def test_active_bootstrap_imports_no_torch_no_vllm_no_wrapt(shim_venv, fake_root):
+    code = """
+        import sys
+        import vllm_bi100_patch as shim
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in
+                       ("torch", "vllm", "wrapt", "logging", "importlib_metadata"))
+        report(heavy=heavy, status=shim.status(), meta=("importlib.metadata" in sys.modules))
+    """
+    result = reports(run_python(code, python=shim_venv, env=_venv_env(fake_root)))[0]
+    assert result["heavy"] == [] and result["status"]["active"] is True
+    assert result["status"]["decision"].startswith("armed:")
+    assert result["status"]["import_guard"]["installed"] is True
+
+
+def test_pth_line_left_behind_without_the_package_is_silent(shim_venv, tmp_path):
+    import shutil
+    import subprocess
+    import sys as _sys
+
+    venv = tmp_path / "orphan"
+    subprocess.run([_sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    shutil.copy(os.path.join(ROOT, "vllm_bi100_patch.pth"), venv_site_packages(python))
+    proc = run_python("print('alive')", python=python, prelude=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "alive" and proc.stderr == ""
+
+
+def test_pip_uninstall_leaves_nothing_behind(shim_venv, tmp_path):
+    import glob
+    import subprocess
+    import sys as _sys
+
+    wheel = glob.glob(os.path.join(os.path.dirname(os.path.dirname(shim_venv)), "..", "wheel",
+                                   "vllm_bi100_patch-*.whl"))
+    assert wheel, "the shim_venv fixture builds the wheel"
+    venv = tmp_path / "uninstall"
+    subprocess.run([_sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site_dir = venv_site_packages(python)
+    with open(os.path.join(site_dir, "other_package.py"), "w") as fh:  # a non-empty site dir
+        fh.write("")
+    before = set(os.listdir(site_dir)) | set(os.listdir(venv / "bin"))
+    pip = [_sys.executable, "-m", "pip", "--python", python]
+    subprocess.run(pip + ["install", "--no-deps", "--no-index", "-q", wheel[0]], check=True,
+                   capture_output=True)
+    installed = set(os.listdir(site_dir))
+    assert {"sitecustomize.py", "vllm_bi100_patch.pth", "vllm_bi100_patch"} <= installed
+    subprocess.run(pip + ["uninstall", "-y", "-q", "vllm-bi100-patch"], check=True,
+                   capture_output=True)
+    after = set(os.listdir(site_dir)) | set(os.listdir(venv / "bin"))
+    assert after - before - {"__pycache__"} == set(), after - before
+    leftovers = [p for p in glob.glob(os.path.join(site_dir, "**", "*"), recursive=True)
+                 if "bi100" in p or "sitecustomize" in p]
+    assert leftovers == []
+    proc = run_python("print('alive')", python=python, prelude=False)
+    assert proc.stderr == "" and proc.stdout.strip() == "alive"

@@ -12,18 +12,43 @@ def test_defaults():
     assert s.errors == () and not s.off
 
 
-@pytest.mark.parametrize("raw,mode", [("0", "0"), ("off", "0"), ("1", "1"), ("TRUE", "1"),
-                                      ("auto", "auto"), ("", "auto")])
-def test_mode(raw, mode):
-    assert config.load({config.MODE: raw}).mode == mode
+@pytest.mark.parametrize("raw,mode", [("0", "0"), (" 0 ", "0"), ("1", "1"), ("auto", "auto"),
+                                      ("AUTO", "auto"), ("", "auto")])
+def test_mode_accepts_exactly_the_documented_values(raw, mode):
+    s = config.load({config.MODE: raw})
+    assert s.mode == mode and s.errors == ()
+    assert s.raw == {config.MODE: raw}
 
 
-def test_invalid_mode_means_off_and_is_reported():
-    s = config.load({config.MODE: "disable"})
-    assert s.off
-    assert s.errors and config.MODE in s.errors[0] and "stays off" in s.errors[0]
+@pytest.mark.parametrize("raw", ["2", "yes", "on", "true", "no", "off", "false", "disable", "01"])
+def test_other_mode_values_are_invalid_keep_the_shim_off_and_are_quoted(raw):
+    s = config.load({config.MODE: raw})
+    assert s.mode == config.INVALID and s.off and not s.kill_switch
+    assert len(s.errors) == 1
+    assert s.errors[0].startswith(f"{config.MODE}={raw!r} is invalid; accepted: auto, 1, 0")
+    assert "stays off" in s.errors[0]
+    assert s.mode_text() == f"{config.MODE}={raw}"
     with pytest.raises(config.ConfigError, match=config.MODE):
         s.check()
+
+
+def test_kill_switch_is_only_zero():
+    assert config.load({config.MODE: "0"}).kill_switch
+    assert config.load({config.MODE: "0"}).mode_text() == f"{config.MODE}=0"
+    assert not config.load({config.MODE: "false"}).kill_switch
+    assert config.load({}).mode_text() == f"{config.MODE} unset (auto)"
+
+
+@pytest.mark.parametrize("raw,value", [("1", True), ("0", False), ("", False), (" 1", True)])
+def test_strict_accepts_zero_and_one(raw, value):
+    s = config.load({config.STRICT: raw})
+    assert s.strict is value and s.errors == ()
+
+
+@pytest.mark.parametrize("raw", ["true", "yes", "on", "no", "2"])
+def test_strict_rejects_other_booleans(raw):
+    s = config.load({config.STRICT: raw})
+    assert s.strict is False and s.errors and repr(raw) in s.errors[0]
 
 
 def test_disabled_list():
@@ -45,6 +70,7 @@ def test_invalid_values_named(var, raw):
 def test_fallback_threshold():
     assert config.load({config.DECODE_FALLBACK_ABOVE: "0"}).decode_fallback_above == 0
     assert config.load({config.DECODE_FALLBACK_ABOVE: "never"}).decode_fallback_above is None
+    assert config.load({config.DECODE_FALLBACK_ABOVE: "none"}).errors  # not documented
     assert config.load({config.DECODE_FALLBACK_ABOVE: "32768"}).decode_fallback_above == 32768
 
 

@@ -42,3 +42,16 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     with open(os.path.join(ROOT, ".ci", "run")) as fh:
         ci = fh.read()
     assert test_cmd in ci.splitlines()
+
+
+def test_doctor_exit_codes_and_server_check_are_documented():
+    from vllm_bi100_patch import __main__ as cli
+
+    text = _readme()
+    for code in (cli.EXIT_OK, cli.EXIT_WONT_PATCH, cli.EXIT_CONFIG):
+        assert re.search(rf"^\| {code} \| ", text, re.M), code
+    assert "<vllm-bi100-patch wrapper of PagedAttention.forward_decode (vLLM" in text
+    assert "vllm-bi100-patch active: vLLM" in text
+    assert "Python 3.10" in text
+    for heading in ("## Strict mode", "## Reverting", "## When it cannot patch"):
+        assert heading in text

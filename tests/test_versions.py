@@ -105,3 +105,21 @@ def test_support_table_lists_every_family():
     for fam in versions.FAMILIES:
         assert f"{fam.first} – {fam.last}" in table
     assert "0.12.0 and later" in table
+
+
+def test_families_match_the_literal_wheel_signatures():
+    """versions.FAMILIES against the parameter lists typed out from the official wheels."""
+    import ast
+
+    from fakes.fake_vllm import DECODE_SIGNATURES, PREFIX_SIGNATURES, paged_attn_source
+
+    assert set(DECODE_SIGNATURES) == set(PREFIX_SIGNATURES) == {f.name for f in versions.FAMILIES}
+    for fam in versions.FAMILIES:
+        tree = ast.parse(paged_attn_source(fam))
+        funcs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        for name, expected in (("forward_decode", fam.decode_params),
+                               ("forward_prefix", fam.prefix_params)):
+            got = tuple(a.arg for a in funcs[name].args.args)
+            assert got == expected, (fam.name, name, got)
+        scale = funcs["forward_decode"].args.args[10].annotation
+        assert ast.unparse(scale) == ("float" if fam.scales == "float" else "torch.Tensor")

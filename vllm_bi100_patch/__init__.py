@@ -21,48 +21,55 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
     ``VLLM_BI100_PATCH=0`` still wins). Patches now if vLLM's paged_attn is imported, else
     when it is. Idempotent. Returns ``status()``.
 
-    With ``strict=True`` (or ``VLLM_BI100_PATCH_STRICT=1``) an invalid variable, an unsupported
-    vLLM version or a failed code check raises instead of logging a warning.
+    With ``strict=True`` (or ``VLLM_BI100_PATCH_STRICT=1``) an invalid variable raises
+    ``config.ConfigError``, and an unsupported vLLM version or a failed code check raises
+    ``registry.PatchError`` (now if vLLM is installed, whether or not it is imported yet),
+    instead of a WARNING.
     """
-    from . import _bootstrap
+    from . import _bootstrap, config
 
-    _bootstrap.activate("apply", force=True, strict=strict)
-    strict_now = _bootstrap.state()["strict"]
-    if strict_now and _bootstrap.state()["active"]:
-        from . import versions
+    with _bootstrap._lock:
+        _bootstrap.activate("apply", force=True, strict=strict)
+        st = _bootstrap.state()
+        settings = config.load()
+        strict_now = settings.strict if strict is None else strict
+        if strict_now and settings.errors and not settings.kill_switch:
+            raise config.ConfigError("; ".join(settings.errors))
+        if strict_now and st["active"]:
+            from . import registry, versions
 
-        info = versions.installed_vllm_version()
-        if versions.family_for(info) is None:
-            from .registry import PatchError
-
-            raise PatchError(f"vLLM {info.raw or 'not installed'} is not supported by "
-                             "vllm-bi100-patch; nothing patched")
-        if "vllm_bi100_patch.registry" in sys.modules:
-            from . import registry
-
-            reason = registry.last_report().reason
-            if reason is not None:
-                raise registry.PatchError(reason)
+            info = versions.installed_vllm_version()
+            if versions.family_for(info) is None:
+                raise registry.PatchError(registry.unsupported_reason(info))
+            if "vllm_bi100_patch.registry" in sys.modules:
+                reason = registry.last_report().reason
+                if reason is not None:
+                    raise registry.PatchError(reason)
     return status()
 
 
 def revert() -> Dict[str, Any]:
-    """Restore the exact original descriptors, remove the import guard, stop patching future
-    imports in this process. Returns ``status()``."""
+    """Undo everything ``apply()`` and the start-up activation did in this process, under one
+    lock: the exact original descriptors of the patched methods come back, the post-import
+    hook and the import guard leave ``sys.meta_path``, real ``context_attention_fwd``
+    references the guard re-pointed are restored, and a substitute ``prefix_prefill`` module
+    leaves ``sys.modules`` (its name is removed from the vLLM modules that imported it).
+    Future imports are not patched until ``apply()``. Returns ``status()``."""
     from . import _bootstrap
 
-    _bootstrap.deactivate()
-    if "vllm_bi100_patch.registry" in sys.modules:
-        from . import registry
+    with _bootstrap._lock:
+        _bootstrap.deactivate()
+        if "vllm_bi100_patch.registry" in sys.modules:
+            from . import registry
 
-        registry.revert_all()
+            registry.revert_all()
     return status()
 
 
 def status() -> Dict[str, Any]:
     """Facts about this process: configuration, vLLM version and family, what is patched,
-    the import guard, call and route counters. Imports nothing heavy."""
-    from . import _bootstrap, config, versions
+    the import guard, call and route counters. Imports nothing heavy, patches nothing."""
+    from . import _bootstrap, config, import_guard, versions
 
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
@@ -70,28 +77,28 @@ def status() -> Dict[str, Any]:
     data: Dict[str, Any] = {
         "shim_version": __version__,
         "mode": settings.mode,
+        "mode_raw": settings.raw.get(config.MODE),
         "disabled": list(settings.disabled),
         "vllm_version": info.raw,
         "family": family.name if family else None,
         "supported": family is not None,
-        **_bootstrap.state(),
         "patched": [],
         "report": None,
         "counts": {},
         "native_ops": None,
         "serving_path": versions.serving_path_note(info),
     }
-    if "vllm_bi100_patch.registry" in sys.modules:
-        from . import registry
+    with _bootstrap._lock:  # one consistent snapshot, never half an apply() or revert()
+        data.update(_bootstrap.state())
+        if "vllm_bi100_patch.registry" in sys.modules:
+            from . import registry
 
-        data["patched"] = registry.patched_attributes()
-        data["report"] = registry.last_report().as_dict()
-    if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
-        from .patches import paged_attention
+            data["patched"] = registry.patched_attributes()
+            data["report"] = registry.last_report().as_dict()
+        if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
+            from .patches import paged_attention
 
-        data["counts"] = paged_attention.call_counts()
-        data["native_ops"] = paged_attention.native_profile()
-    from . import import_guard  # cheap: no typing, no logging at import
-
-    data["import_guard"] = import_guard.state()
+            data["counts"] = paged_attention.call_counts()
+            data["native_ops"] = paged_attention.native_profile()
+        data["import_guard"] = import_guard.state()
     return data

@@ -1,11 +1,21 @@
 """``python -m vllm_bi100_patch`` (also the ``vllm-bi100-patch`` console script).
 
-  status          what the shim would do in this environment; patches nothing, imports no vLLM
-  doctor          status + hardware, activation paths, and the code check of each patch (imports
-                  vLLM's paged_attn behind the import guard); exits 1 when the shim would not
-                  activate
+  status          the verdict (without the code check) and this process's state; patches
+                  nothing, imports no vLLM; exits 0
+  doctor          the verdict with every check: configuration, vLLM version, hardware,
+                  activation paths, the code check of each patch (imports vLLM's paged_attn
+                  behind the import guard, so the shim patches it in this process as it would in
+                  a server); exit code below
   env-table       the README's table of environment variables
   versions-table  the README's table of supported vLLM versions
+
+doctor exit codes:
+  0  the shim does what the configuration asks: it will patch this vLLM, or it stays off on
+     purpose (VLLM_BI100_PATCH=0, or auto on a machine without the Iluvatar stack)
+  1  the configuration asks for patching but the shim will not patch here (vLLM not
+     installed, unsupported version, failed code check, no activation path)
+  3  a VLLM_BI100_* variable holds an invalid value (the shim ignores it: fix it)
+  (2 is argparse's: a usage error)
 """
 
 from __future__ import annotations
@@ -16,39 +26,132 @@ import json
 import os
 import site
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from . import config, hardware, status, versions
+from . import __version__, _bootstrap, config, hardware, status, versions
 
-Check = Tuple[str, bool, str]
+EXIT_OK = 0
+EXIT_WONT_PATCH = 1
+EXIT_CONFIG = 3
+
+#: (state, name, detail); state is "ok", "FAIL" or "info".
+Check = Tuple[str, str, str]
 
 
-def _print_status(data: Dict[str, Any]) -> None:
-    keys = ["shim_version", "mode", "disabled", "vllm_version", "family", "supported", "active",
-            "decision", "activated_by", "patched", "import_guard", "counts", "config_errors"]
-    for key in keys:
-        print(f"{key:14} {data.get(key)}")
+class Section:
+    """One block of doctor's report. Later additions (e.g. the native-ops profile) are one
+    more Section in ``doctor_sections``."""
+
+    def __init__(self, title: str, checks: List[Check]) -> None:
+        self.title = title
+        self.checks = checks
+
+    def render(self) -> str:
+        lines = [self.title]
+        lines += [f"  [{state:4}] {name}: {detail}" for state, name, detail in self.checks]
+        return "\n".join(lines)
+
+
+class Verdict:
+    """Will the shim patch this vLLM here; if not, why; is that what the operator asked for."""
+
+    def __init__(self, patches: bool, text: str, code: int) -> None:
+        self.patches = patches
+        self.text = text
+        self.code = code
+
+    def line(self) -> str:
+        asked = "as configured" if self.code == EXIT_OK else "a problem to fix"
+        return f"verdict: {self.text} [{asked}; exit {self.code}]"
+
+
+def verdict(settings: config.Settings, info: versions.VersionInfo,
+            code_problems: Optional[List[str]] = None,
+            activation_ok: Optional[bool] = None) -> Verdict:
+    """The one verdict, built from the same steps the shim takes in a server process:
+    ``_bootstrap.gate`` (configuration, hardware, vLLM present), the version family, the code
+    check (``code_problems``; None: not checked) and the activation paths (None: not checked).
+    """
+    result = _verdict(settings, info, code_problems, activation_ok)
+    if settings.errors:  # the shim ignores invalid values: always a problem to fix
+        prefix = "" if settings.mode == config.INVALID else result.text + "; "
+        result = Verdict(result.patches, prefix + "invalid configuration: " +
+                         "; ".join(settings.errors), EXIT_CONFIG)
+    return result
+
+
+def _verdict(settings: config.Settings, info: versions.VersionInfo,
+             code_problems: Optional[List[str]], activation_ok: Optional[bool]) -> Verdict:
+    from . import registry
+
+    closed = _bootstrap.gate(settings)
+    if closed is not None:
+        kind, why = closed
+        code = EXIT_OK if kind in ("kill_switch", "not_iluvatar") else EXIT_WONT_PATCH
+        if kind == "no_vllm":
+            why = f"vLLM not installed in this environment ({sys.executable}); nothing to patch"
+            if settings.mode == "auto" and not hardware.looks_like_iluvatar():
+                code = EXIT_OK  # auto on a machine without the Iluvatar stack asks for nothing
+                why += f"; {settings.mode_text()} and no Iluvatar stack detected either"
+        return Verdict(False, "will NOT patch: " + why, code)
+    family = versions.family_for(info)
+    if family is None:
+        return Verdict(False, "will NOT patch: " + registry.unsupported_reason(info),
+                       EXIT_WONT_PATCH)
+    if code_problems:
+        guard = ("the import guard stays on: stock forward_prefix raises TritonPrefixBlocked"
+                 if "import_guard" not in settings.disabled else "stock vLLM runs")
+        return Verdict(False, f"will NOT patch: vLLM {info.raw} (family {family.name}) fails "
+                       f"the code check ({'; '.join(code_problems)}); {guard}",
+                       EXIT_WONT_PATCH)
+    if activation_ok is False:
+        return Verdict(False, "will NOT patch at start-up: no activation path works "
+                       "(sitecustomize, .pth, vLLM plugin entry point); is the shim "
+                       "pip-installed into this environment?", EXIT_WONT_PATCH)
+    names = [s.attr for s in registry.SPECS if s.name not in settings.disabled]
+    guard = "off (disabled)" if "import_guard" in settings.disabled else "on"
+    checked = "" if code_problems is not None else " (code not checked: run doctor)"
+    if not names:
+        return Verdict(False, f"patches nothing: every patch is listed in {config.DISABLE}; "
+                       f"import guard {guard}", EXIT_OK)
+    return Verdict(True, f"WILL patch vLLM {info.raw} (family {family.name}): "
+                   f"{', '.join(names)}; import guard {guard}; {settings.mode_text()}{checked}",
+                   EXIT_OK)
+
+
+STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
+               "supported", "active", "decision", "activated_by", "patched", "import_guard",
+               "counts", "config_errors", "last_error"]
+
+
+PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
+                "last_error"]
+
+
+def _process_lines(data: Dict[str, Any], keys: List[str] = STATUS_KEYS) -> List[str]:
+    return [f"{key:14} {data.get(key)}" for key in keys]
 
 
 def _activation_paths() -> List[Check]:
     checks: List[Check] = []
     spec = importlib.util.find_spec("sitecustomize")
     ours = spec is not None and spec.origin is not None and _is_our_sitecustomize(spec.origin)
-    checks.append(("sitecustomize", ours,
+    checks.append(("ok" if ours else "FAIL", "sitecustomize",
                    spec.origin if spec and spec.origin else "no sitecustomize on sys.path"))
     dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
     dirs += [user] if isinstance(user, str) else []
     pth = [os.path.join(d, "vllm_bi100_patch.pth") for d in dirs
            if os.path.exists(os.path.join(d, "vllm_bi100_patch.pth"))]
-    checks.append((".pth", bool(pth), pth[0] if pth else "vllm_bi100_patch.pth not in "
-                   + ", ".join(dirs)))
+    checks.append(("ok" if pth else "FAIL", ".pth", pth[0] if pth else
+                   "vllm_bi100_patch.pth not in " + ", ".join(dirs)))
     import importlib.metadata as md
 
     eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "bi100_patch"]
     allowed = os.environ.get("VLLM_PLUGINS")
     filtered = allowed is not None and "bi100_patch" not in allowed.split(",")
-    checks.append(("entry point", bool(eps) and not filtered,
+    ok = bool(eps) and not filtered
+    checks.append(("ok" if ok else "FAIL", "entry point",
                    "vllm.general_plugins:bi100_patch" + (" (excluded by VLLM_PLUGINS)"
                                                          if filtered else "")
                    if eps else "not registered (is the shim pip-installed?)"))
@@ -63,72 +166,111 @@ def _is_our_sitecustomize(path: str) -> bool:
         return False
 
 
-def _code_checks(settings: config.Settings) -> List[Check]:
-    family = versions.family_for(versions.installed_vllm_version())
-    if family is None:
-        return []
+def _code_checks(settings: config.Settings, family: versions.Family) -> List[Check]:
+    """Import vLLM's paged_attn (behind the import guard) and check each patch's target."""
     from . import import_guard, registry
 
     if not settings.off and "import_guard" not in settings.disabled:
         import_guard.install()  # importing paged_attn must not pull in the Triton module
     try:
-        import vllm.attention.ops.paged_attn as module  # noqa: F401
+        import vllm.attention.ops.paged_attn as module
     except Exception as exc:
-        return [("import paged_attn", False, f"{type(exc).__name__}: {exc}")]
+        return [("FAIL", "import paged_attn", f"{type(exc).__name__}: {exc}")]
     cls = vars(module).get(registry.TARGET_CLASS)
     if not isinstance(cls, type):
-        return [("PagedAttention", False, "class missing")]
+        return [("FAIL", registry.TARGET_CLASS, "class missing")]
     out: List[Check] = []
     for spec in registry.SPECS:
         problem = registry.check_code(cls, spec, family)
-        out.append((f"code check {spec.attr}", problem is None, problem or f"family {family.name}"))
+        out.append(("ok" if problem is None else "FAIL", f"code check {spec.attr}",
+                    problem or f"family {family.name}"))
     return out
 
 
-def doctor() -> int:
+def _config_section(settings: config.Settings) -> Section:
+    checks: List[Check] = []
+    for var in config.VARIABLES:
+        raw = settings.raw.get(var.name)
+        bad = [e for e in settings.errors if e.startswith(var.name + "=")]
+        if bad:
+            checks.append(("FAIL", var.name, bad[0]))
+        elif raw is not None:
+            checks.append(("ok", var.name, f"{raw!r}"))
+    if not checks:
+        checks.append(("ok", "variables", "none set: defaults"))
+    if settings.kill_switch:
+        checks.append(("info", "mode", "kill switch: the shim does nothing in any process"))
+    return Section("configuration", checks)
+
+
+def doctor_sections() -> Tuple[List[Section], Verdict]:
     settings = config.load()
-    data = status()
-    _print_status(data)
-    checks: List[Check] = [("configuration", not settings.errors,
-                            "; ".join(settings.errors) or "valid")]
-    facts: Dict[str, Any] = dict(hardware.cheap_detection())
-    facts.update(hardware.device_facts() if importlib.util.find_spec("torch") else {})
-    iluvatar = bool(facts.get("ixformer") or facts.get("torch_corex") or facts.get("iluvatar"))
-    print(f"{'hardware':14} {facts}")
-    if settings.off:
-        checks.append(("mode", False, f"{config.MODE}=0: kill switch, stock vLLM"))
-    elif settings.mode == "auto":
-        checks.append(("mode", iluvatar, "auto: Iluvatar detected" if iluvatar else
-                       f"auto: no Iluvatar device or ixformer; set {config.MODE}=1 to force"))
+    info = versions.installed_vllm_version()
+    family = versions.family_for(info)
+    sections = [_config_section(settings)]
+    if info.raw is None:
+        sections.append(Section("vLLM", [("FAIL", "vLLM", "not installed in this environment "
+                                          f"({sys.executable})")]))
     else:
-        checks.append(("mode", True, f"{config.MODE}=1: forced on"))
-    supported = data["supported"]
-    checks.append(("vLLM version", supported, f"{data['vllm_version']} family {data['family']}"
-                   if supported else f"{data['vllm_version']} is not supported"))
+        sections.append(Section("vLLM", [(
+            "ok" if family else "FAIL", "version",
+            f"{info.raw}, family {family.name}" if family else
+            f"{info.raw} is not a supported version")]))
+    cheap = hardware.cheap_detection()
+    sections.append(Section("hardware", [
+        ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
+        ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
+         else "not a +corex build"),
+    ]))
     paths = _activation_paths()
-    checks += paths
-    checks += _code_checks(settings)
-    for name, ok, detail in checks:
-        print(f"[{'ok' if ok else 'FAIL':4}] {name}: {detail}")
-    path_names = {name for name, _, _ in paths}
-    would_activate = (any(ok for _, ok, _ in paths)
-                      and all(ok for name, ok, _ in checks if name not in path_names))
-    print("=> the shim " + ("would activate" if would_activate else "would NOT activate"))
-    return 0 if would_activate else 1
+    sections.append(Section("activation paths (at least one must work)", paths))
+    code_problems: Optional[List[str]] = None
+    if family is not None and _bootstrap.gate(settings) is None:
+        checks = _code_checks(settings, family)
+        sections.append(Section("code checks", checks))
+        code_problems = [detail for state, _, detail in checks if state == "FAIL"]
+        facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
+        sections[2].checks.append(("info", "device", f"{facts['device_name']} "
+                                   f"({facts['sm_count']} SMs)" if facts.get("device_name")
+                                   else "no CUDA device visible to torch"))
+    elif family is None and info.raw is not None and _bootstrap.state()["active"]:
+        try:  # what a server process sees: the version check at the import of vLLM
+            import vllm  # noqa: F401
+        except Exception as exc:
+            sections[1].checks.append(("FAIL", "import vllm", f"{type(exc).__name__}: {exc}"))
+    result = verdict(settings, info, code_problems, any(s == "ok" for s, _, _ in paths))
+    sections.append(Section("this process (doctor itself, after the checks)",
+                            [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
+                             for line in _process_lines(status(), PROCESS_KEYS)]))
+    return sections, result
+
+
+def doctor() -> int:
+    print(f"vllm-bi100-patch {__version__} doctor ({sys.executable})")
+    sections, result = doctor_sections()
+    for section in sections:
+        print(section.render())
+    print(result.line())
+    return result.code
 
 
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-bi100-patch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"vllm-bi100-patch {__version__}")
     parser.add_argument("command", choices=["status", "doctor", "env-table", "versions-table"])
     parser.add_argument("--json", action="store_true", help="status as JSON")
     args = parser.parse_args(argv)
     if args.command == "status":
         data = status()
+        settings = config.load()
+        result = verdict(settings, versions.installed_vllm_version())
+        data["verdict"] = result.line()
         if args.json:
             print(json.dumps(data, indent=2, default=str))
         else:
-            _print_status(data)
+            print("\n".join(_process_lines(data)))
+            print(result.line())
         return 0
     if args.command == "doctor":
         return doctor()

@@ -1,6 +1,6 @@
 """The one bootstrap every activation path calls; cheap, idempotent, thread-safe, never raises.
 
-Activation layer (README, "Layout"): imports neither torch nor vLLM, nor wrapt (whose import pulls
+Activation layer: imports neither torch nor vLLM, nor wrapt (whose import pulls
 in ``importlib.metadata``, tens of milliseconds in every Python process). It reads the
 configuration, installs the import guard for ``prefix_prefill`` and a post-import hook on
 ``vllm.attention.ops.paged_attn``, and returns. The patching itself runs when vLLM imports
@@ -16,7 +16,7 @@ from . import config
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional
+    from typing import Any, Callable, Dict, List, Optional, Tuple
 
 TARGET_MODULE = "vllm.attention.ops.paged_attn"
 LOGGER = "vllm.bi100_patch"
@@ -39,7 +39,7 @@ _active = False
 _strict = False
 _decision: str = "not bootstrapped"
 _last_error: Optional[str] = None
-_logged_errors: set = set()
+_config_reported = False
 
 
 class _HookLoader:
@@ -114,62 +114,121 @@ class PostImportFinder:
 
 _finder = PostImportFinder()
 
+#: Activation paths that run at interpreter start, in every Python process of the environment:
+#: they never raise, not even under strict mode (strict fails the import of vLLM instead).
+AT_START = ("sitecustomize", "pth")
+
 
 def _ensure_finder() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 
 
-def _before_vllm() -> None:
-    """Runs when ``vllm`` is about to be imported (or at activation, if it already is): an
-    unsupported version gets its one WARNING now and no side effects at all (the import guard
-    comes off again), even if vLLM never imports paged_attn (0.12+ has no such methods)."""
-    global _last_error, _decision
-    if not _active or _settings is None:
+def _remove_finder() -> None:
+    while _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def gate(settings: config.Settings, force: bool = False) -> Optional[Tuple[str, str]]:
+    """The start-up part of the one decision: None when the shim arms in this process, else
+    ``(kind, why)`` with kind ``invalid``, ``kill_switch``, ``not_iluvatar`` or ``no_vllm``.
+    Cheap: no torch, no vLLM, no package metadata. ``doctor`` and ``status`` use it too."""
+    if settings.mode == config.INVALID:
+        return "invalid", (f"{settings.mode_text()} is invalid (accepted: auto, 1, 0); the "
+                           "shim stays off")
+    if settings.kill_switch:
+        return "kill_switch", f"{settings.mode_text()} (kill switch): nothing patched, stock vLLM"
+    from . import hardware
+
+    if not hardware.findable("vllm"):
+        return "no_vllm", "vLLM not installed in this environment (nothing to patch)"
+    if settings.mode == "auto" and not force and not hardware.looks_like_iluvatar():
+        return "not_iluvatar", (f"{settings.mode_text()} and no Iluvatar stack detected (no "
+                                f"ixformer, no +corex torch); set {config.MODE}=1 to force")
+    return None
+
+
+def _report_config_errors(settings: config.Settings) -> None:
+    """Invalid variables: one WARNING per process (the first time vLLM is imported, or at
+    status/apply), or, under strict mode, a ConfigError that stops the import of vLLM."""
+    global _config_reported
+    if not settings.errors:
         return
-    try:
-        from . import registry, versions
+    if _strict:
+        raise config.ConfigError("; ".join(settings.errors) + f" ({config.STRICT}=1: vLLM is "
+                                 "not started with an invalid vllm-bi100-patch configuration)")
+    if not _config_reported:
+        _config_reported = True
+        for error in settings.errors:
+            log.warning("vllm-bi100-patch: %s", error)
 
-        info = versions.installed_vllm_version()
-        if versions.family_for(info) is None:
-            reason = registry.unsupported_reason(info)
-            _decision = "inactive: " + reason
-            if "vllm_bi100_patch.import_guard" in sys.modules:
-                from . import import_guard
 
-                import_guard.uninstall()
-            registry.warn_once(reason)
+def _before_vllm() -> None:
+    """Runs when ``vllm`` is about to be imported (or at activation, if it already is): invalid
+    variables are reported (strict: raised) now; an unsupported version gets its one WARNING and
+    no side effects at all (the import guard comes off again), even if vLLM never imports
+    paged_attn (0.12+ has no such methods)."""
+    global _last_error, _decision
+    with _lock:
+        settings = _settings
+        if settings is None:
+            return
+        _report_config_errors(settings)  # raises under strict mode: the import of vLLM fails
+        if not _active:
+            return
+        try:
+            from . import registry, versions
+
+            info = versions.installed_vllm_version()
+            if versions.family_for(info) is None:
+                reason = registry.unsupported_reason(info)
+                if "vllm_bi100_patch.import_guard" in sys.modules:
+                    from . import import_guard
+
+                    import_guard.uninstall()
+                reason += "; " + registry.consequence()
+                _decision = "not patched: " + reason
+                registry.warn_once(reason)
+                if _strict:
+                    raise registry.PatchError(reason)
+        except Exception as exc:
+            _last_error = f"{type(exc).__name__}: {exc}"
             if _strict:
-                raise registry.PatchError(reason)
-    except Exception as exc:
-        _last_error = f"{type(exc).__name__}: {exc}"
-        if _strict:
-            raise
-        log.exception("vllm-bi100-patch: version check failed")
+                raise
+            log.exception("vllm-bi100-patch: version check failed")
 
 
 def _on_paged_attn(module: Any) -> None:
     """Post-import callback: patch now. Never raises, except under strict mode."""
-    global _last_error
-    if not _active or _settings is None:
-        return
-    try:
-        from . import registry  # wrapt and the patch layer load here, not at start-up
+    global _last_error, _decision
+    with _lock:
+        if not _active or _settings is None:
+            return
+        try:
+            from . import registry  # wrapt and the patch layer load here, not at start-up
 
-        report = registry.apply_to(module, _settings, strict=_strict)
-        if report.reason is None:
-            from . import import_guard
+            report = registry.apply_to(module, _settings, strict=False)
+        except Exception as exc:
+            _last_error = f"{type(exc).__name__}: {exc}"
+            _decision = f"not patched: patching failed ({_last_error})"
+            if _strict:
+                raise
+            log.exception("vllm-bi100-patch: patching failed")
+            return
+        if report.reason is not None:
+            _decision = "not patched: " + report.reason
+            if _strict:
+                raise registry.PatchError(report.reason)
+            return
+        from . import import_guard
 
-            log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
-                     "guard %s; activated by %s", report.vllm_version, report.family,
-                     ", ".join(report.applied) or "nothing",
-                     "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()),
-                     "on" if import_guard.installed() else "off", ",".join(_sources))
-    except Exception as exc:
-        _last_error = f"{type(exc).__name__}: {exc}"
-        if _strict:
-            raise
-        log.exception("vllm-bi100-patch: patching failed; stock vLLM runs")
+        guard = "on" if import_guard.installed() else "off"
+        skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items())
+        _decision = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
+                     f"{report.vllm_version}, family {report.family}); import guard {guard}")
+        log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
+                 "guard %s; activated by %s", report.vllm_version, report.family,
+                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources))
 
 
 def _configure_logging(settings: config.Settings) -> None:
@@ -177,9 +236,18 @@ def _configure_logging(settings: config.Settings) -> None:
         log.setLevel(settings.log_level)  # only then is logging imported
 
 
+def _watch_vllm() -> None:
+    _ensure_finder()
+    if _before_vllm not in _finder.before.get("vllm", []):
+        _finder.register_before("vllm", _before_vllm)
+    elif "vllm" in sys.modules:
+        _before_vllm()
+
+
 def activate(source: str, *, force: bool = False, strict: Optional[bool] = None) -> None:
     """Activate the shim (idempotent). ``force`` skips hardware auto-detection (explicit
-    ``apply()``); the kill switch always wins. Raises only under strict mode."""
+    ``apply()``); the kill switch always wins. Raises only under strict mode, and then only
+    in a process that imports vLLM (or for an explicit ``apply()``)."""
     global _settings, _active, _strict, _decision
     with _lock:
         if source not in _sources:
@@ -190,36 +258,21 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
         _settings = settings
         _configure_logging(settings)
         _strict = settings.strict if strict is None else strict
-        for error in settings.errors:
-            if error not in _logged_errors:  # once per process, not once per activation path
-                _logged_errors.add(error)
-                log.error("vllm-bi100-patch: %s", error)
-        if _strict:
-            settings.check()
-        if settings.off:
-            _decision = f"off: {config.MODE}={settings.mode} (kill switch)"
+        if _strict and settings.errors and source not in AT_START and not settings.kill_switch:
+            _report_config_errors(settings)  # explicit apply()/plugin: raise now
+        closed = gate(settings, force)
+        if closed is not None:
+            _decision = "off: " + closed[1]
+            if settings.errors and not settings.kill_switch:
+                _watch_vllm()  # report the invalid values where vLLM runs, and only there
             return
-        if settings.mode == "auto" and not force:
-            from . import hardware
-
-            if not hardware.findable("vllm"):
-                _decision = "off: no vLLM in this environment"
-                return
-            if not hardware.looks_like_iluvatar():
-                _decision = ("off: no Iluvatar device or ixformer detected "
-                             f"({config.MODE}=auto; set it to 1 to force)")
-                return
         _active = True
-        _decision = "active"
+        _decision = "armed: patches when vLLM imports " + TARGET_MODULE
         if "import_guard" not in settings.disabled:
             from . import import_guard
 
             import_guard.install()
-        _ensure_finder()
-        if _before_vllm not in _finder.before.get("vllm", []):
-            _finder.register_before("vllm", _before_vllm)
-        elif "vllm" in sys.modules:
-            _before_vllm()
+        _watch_vllm()
         if _on_paged_attn not in _finder.hooks.get(TARGET_MODULE, []):
             _finder.register(TARGET_MODULE, _on_paged_attn)
         else:
@@ -229,14 +282,14 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
 
 
 def bootstrap(source: str) -> None:
-    """Entry for sitecustomize, the .pth line and the vLLM plugin: never raises, except under
-    strict mode (where site.py, or vLLM's plugin loader, reports the error loudly)."""
+    """Entry for sitecustomize, the .pth line and the vLLM plugin. Never raises at interpreter
+    start (sitecustomize, .pth); from the plugin (a vLLM process) only under strict mode."""
     global _last_error
     try:
         activate(source)
     except Exception as exc:  # the host process must go on, unpatched
         _last_error = f"{type(exc).__name__}: {exc}"
-        if _strict:
+        if _strict and source not in AT_START:
             raise
         try:
             log.error("vllm-bi100-patch: activation from %s failed (%s); stock vLLM runs",
@@ -251,11 +304,13 @@ def plugin() -> None:
 
 
 def deactivate() -> None:
-    """Stop patching new imports and remove the import guard (used by ``revert()``)."""
+    """Stop patching new imports: take the post-import hook and the import guard off
+    ``sys.meta_path`` (used by ``revert()``, which holds ``_lock`` around both its steps)."""
     global _active, _decision
     with _lock:
         _active = False
-        _decision = "reverted"
+        _decision = "reverted: stock vLLM (apply() patches again)"
+        _remove_finder()
         if "vllm_bi100_patch.import_guard" in sys.modules:
             from . import import_guard
 
@@ -263,11 +318,12 @@ def deactivate() -> None:
 
 
 def state() -> Dict[str, Any]:
-    return {
-        "active": _active,
-        "decision": _decision,
-        "activated_by": list(_sources),
-        "strict": _strict,
-        "last_error": _last_error,
-        "config_errors": list(_settings.errors) if _settings else [],
-    }
+    with _lock:
+        return {
+            "active": _active,
+            "decision": _decision,
+            "activated_by": list(_sources),
+            "strict": _strict,
+            "last_error": _last_error,
+            "config_errors": list(_settings.errors) if _settings else [],
+        }

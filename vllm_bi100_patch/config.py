@@ -4,9 +4,11 @@ Nothing here imports torch or vLLM: the bootstrap reads this module at interpret
 Each variable is declared once in ``VARIABLES`` (name, default, accepted values, meaning);
 the README table is generated from that list (``python -m vllm_bi100_patch env-table``).
 
-An invalid value never raises at bootstrap: it is recorded in ``Settings.errors``, logged,
-and the variable keeps its default — except under strict mode, where ``check()`` raises
-``ConfigError`` naming the variable and the accepted values.
+Accepted values are exactly the documented ones (surrounding spaces ignored; ``auto``, ``never`` and
+the log levels in any case). An invalid value never raises here: it is recorded, with the value as
+given, in ``Settings.errors`` and the variable keeps its default (an invalid
+``VLLM_BI100_PATCH`` keeps the shim off). The bootstrap reports the errors once, in processes
+that import vLLM; under strict mode it refuses to let vLLM import instead.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:  # the bootstrap imports this module in every interpreter: keep it bare
-    from typing import Callable, Mapping, Optional, Tuple
+    from typing import Callable, Dict, Mapping, Optional, Tuple
 
 MODE = "VLLM_BI100_PATCH"
 DISABLE = "VLLM_BI100_PATCH_DISABLE"
@@ -31,8 +33,8 @@ V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 #: Names accepted in VLLM_BI100_PATCH_DISABLE (one per registry patch).
 PATCH_NAMES: Tuple[str, ...] = ("decode", "prefix", "import_guard")
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+#: ``Settings.mode`` of an invalid ``VLLM_BI100_PATCH``: off, and reported as invalid.
+INVALID = "invalid"
 
 
 class ConfigError(ValueError):
@@ -48,14 +50,15 @@ class Variable:
 
 VARIABLES: Tuple[Variable, ...] = (
     Variable(MODE, "auto", "`auto`, `1`, `0`",
-             "`auto`: patch when an Iluvatar device or `ixformer` is detected; `1`: patch on any "
+             "`auto`: patch when `ixformer` or a `+corex` torch is installed; `1`: patch on any "
              "hardware (the tests use it on CPU); `0`: kill switch, nothing patched, no import "
-             "guard, stock vLLM."),
+             "guard, stock vLLM. Any other value is invalid and keeps the shim off."),
     Variable(DISABLE, "(empty)", "comma list of " + ", ".join(f"`{n}`" for n in PATCH_NAMES),
              "Patches to leave out, e.g. `prefix,import_guard`."),
     Variable(STRICT, "0", "`0`, `1`",
-             "`1`: an unsupported vLLM version, a failed code check or an invalid variable raises "
-             "instead of logging and running stock vLLM."),
+             "`1`: a process that imports vLLM fails at that import (one `ConfigError` or "
+             "`PatchError` naming the problem) when a variable is invalid, the vLLM version is "
+             "unsupported, or the code check fails; other Python programs are left alone."),
     Variable(LOG_LEVEL, "(inherit)", "`DEBUG`, `INFO`, `WARNING`, `ERROR`",
              "Level of the `vllm.bi100_patch` logger."),
     Variable(DECODE_FALLBACK_ABOVE, "(never)", "integer >= 0, or `never`",
@@ -82,14 +85,14 @@ class Settings:
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
-                 "errors")
+                 "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
                  prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
                  sm_occupancy: int = 1, subscription: int = 5,
                  v1_max_seq_len: Optional[int] = None,
-                 errors: Tuple[str, ...] = ()) -> None:
+                 errors: Tuple[str, ...] = (), raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
         self.strict = strict
@@ -101,6 +104,8 @@ class Settings:
         self.subscription = subscription
         self.v1_max_seq_len = v1_max_seq_len
         self.errors = errors
+        #: Every VLLM_BI100_* variable that was set, exactly as given.
+        self.raw: Dict[str, str] = dict(raw or {})
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -113,7 +118,21 @@ class Settings:
 
     @property
     def off(self) -> bool:
+        """Nothing to do: the kill switch, or an invalid VLLM_BI100_PATCH."""
+        return self.mode in ("0", INVALID)
+
+    @property
+    def kill_switch(self) -> bool:
+        """VLLM_BI100_PATCH=0, set on purpose."""
         return self.mode == "0"
+
+    def mode_text(self) -> str:
+        """``VLLM_BI100_PATCH=<value as given>`` (quoted when it has spaces or is empty)."""
+        raw = self.raw.get(MODE)
+        if raw is None:
+            return f"{MODE} unset (auto)"
+        plain = raw and raw.isprintable() and raw.strip() == raw and "'" not in raw
+        return f"{MODE}={raw}" if plain else f"{MODE}={raw!r}"
 
 
 def _int_parser(minimum: int) -> Callable[[str], int]:
@@ -130,19 +149,17 @@ def _parse_mode(raw: str) -> str:
     value = raw.strip().lower()
     if value in ("", "auto"):
         return "auto"
-    if value in _TRUE:
-        return "1"
-    if value in _FALSE:
-        return "0"
+    if value in ("0", "1"):
+        return value
     raise ValueError
 
 
 def _parse_bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE or value == "":
+    value = raw.strip()
+    if value in ("", "0"):
         return False
+    if value == "1":
+        return True
     raise ValueError
 
 
@@ -164,7 +181,7 @@ def _parse_level(raw: str) -> Optional[str]:
 
 def _parse_fallback(raw: str) -> Optional[int]:
     value = raw.strip().lower()
-    if value in ("", "never", "none"):
+    if value in ("", "never"):
         return None
     return _int_parser(0)(value)
 
@@ -188,22 +205,25 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
     env = os.environ if environ is None else environ
     values: dict = {}
     errors = []
+    given = {}
     for var in VARIABLES:
         raw = env.get(var.name)
         if raw is None:
             continue
+        given[var.name] = raw
         field, parse = _PARSERS[var.name]
         try:
             values[field] = parse(raw)
         except ValueError:
             if var.name == MODE:
-                # A mistyped kill switch must not patch: an invalid mode means off.
-                values["mode"] = "0"
+                # A mistyped kill switch must not patch: an invalid mode keeps the shim off.
+                values["mode"] = INVALID
                 fallback = "the shim stays off"
             else:
                 fallback = f"using the default {var.default}"
-            errors.append(f"{var.name}={raw!r} is invalid; accepted: {var.accepted} ({fallback})")
-    return Settings(errors=tuple(errors), **values)
+            accepted = var.accepted.replace("`", "")
+            errors.append(f"{var.name}={raw!r} is invalid; accepted: {accepted} ({fallback})")
+    return Settings(errors=tuple(errors), raw=given, **values)
 
 
 def env_table() -> str:

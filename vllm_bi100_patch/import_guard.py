@@ -140,8 +140,18 @@ def _rebind_existing(real: types.ModuleType) -> None:
 
 
 def uninstall() -> None:
-    """Remove the finder and undo any rebinding. A substitute already imported stays in
-    sys.modules (modules hold references to it); it keeps refusing to launch Triton."""
+    """Take the guard out completely:
+
+    - the finder leaves ``sys.meta_path``;
+    - references to the real ``context_attention_fwd`` that ``install()`` re-pointed at the
+      substitute get the real function back;
+    - where vLLM imported the substitute itself (``from ...prefix_prefill import
+      context_attention_fwd`` while the guard was on), that name is removed from the binding
+      modules, and the substitute module leaves ``sys.modules`` and its parent package, so the
+      next import of ``vllm.attention.ops.prefix_prefill`` loads the real module. A stock
+      ``forward_prefix`` of such an already-imported ``paged_attn`` then fails with
+      ``NameError`` (as vLLM's own code does where Triton is absent), never reaching Triton.
+    """
     global _finder
     with _lock:
         if _finder is not None:
@@ -151,6 +161,17 @@ def uninstall() -> None:
             if vars(mod).get("context_attention_fwd") is context_attention_fwd:
                 mod.context_attention_fwd = real_fn  # type: ignore[attr-defined]
         _rebound.clear()
+        for name in BINDERS:
+            mod = sys.modules.get(name)
+            if mod is not None and vars(mod).get("context_attention_fwd") is context_attention_fwd:
+                delattr(mod, "context_attention_fwd")
+        module = sys.modules.get(TARGET)
+        if is_substitute(module):
+            del sys.modules[TARGET]
+            parent_name, _, child = TARGET.rpartition(".")
+            parent = sys.modules.get(parent_name)
+            if parent is not None and vars(parent).get(child) is module:
+                delattr(parent, child)
 
 
 def state() -> Dict[str, Any]:

@@ -1,6 +1,6 @@
 """The registry of patches: specs, code checks, saved originals, all-or-nothing apply/revert.
 
-Style (after wrapt and gevent): attributes are resolved through ``vars(cls)`` along the MRO, never
+Style: attributes are resolved through ``vars(cls)`` along the MRO, never
 ``getattr``, so a staticmethod stays one; the raw descriptor is saved only when it is not our
 own wrapper (so patching twice never loses the original, gevent's concern) and restored as the
 very same object on revert.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import sys
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -27,7 +28,24 @@ TARGET_CLASS = "PagedAttention"
 
 class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
     """The shim's wrapper type; ``type(x) is PatchWrapper`` recognises our own patch (an
-    attribute set on a wrapt proxy would land on the wrapped original)."""
+    attribute set on a wrapt proxy would land on the wrapped original, hence ``_self_``).
+
+    Everything else (``__name__``, ``__module__``, ``__wrapped__``, the signature) is the
+    original's, so vLLM and ``inspect`` see the same method; ``repr``/``str`` say what it is::
+
+        <vllm-bi100-patch wrapper of PagedAttention.forward_decode (vLLM 0.6.3.post1, family
+        v0.5.5), wrapping <function PagedAttention.forward_decode at 0x...>>
+    """
+
+    def __init__(self, wrapped: Any, wrapper: Any, label: str = "") -> None:
+        super().__init__(wrapped, wrapper)
+        self._self_label = label
+
+    def __repr__(self) -> str:
+        return (f"<vllm-bi100-patch wrapper of {self._self_label}, wrapping "
+                f"{self.__wrapped__!r}>")
+
+    __str__ = __repr__
 
 
 class PatchError(RuntimeError):
@@ -86,9 +104,24 @@ def warn_once(reason: str) -> None:
 
 
 def unsupported_reason(info: versions.VersionInfo) -> str:
-    return (f"vLLM {info.raw or 'not installed'} is not a supported version (supported: "
-            f"{versions.FAMILIES[0].first} to {versions.FAMILIES[-1].last}); nothing patched, "
-            "no import guard, stock vLLM runs")
+    if info.raw is None:
+        return "vLLM not installed; nothing patched"
+    return (f"vLLM {info.raw} is not a supported version (supported: "
+            f"{versions.FAMILIES[0].first} to {versions.FAMILIES[-1].last}); nothing patched")
+
+
+def consequence() -> str:
+    """What runs when nothing was patched, said exactly: with the import guard still on (kept
+    on purpose after a failed code check: on Iluvatar a clear error beats a hang), stock
+    forward_prefix refuses instead of launching Triton."""
+    if "vllm_bi100_patch.import_guard" in sys.modules:
+        from . import import_guard
+
+        if import_guard.installed():
+            return ("the import guard stays on on purpose: stock forward_decode runs, stock "
+                    "forward_prefix raises TritonPrefixBlocked instead of launching the Triton "
+                    f"kernel that hangs BI-V100 ({config.MODE}=0 runs stock vLLM throughout)")
+    return "no import guard, stock vLLM runs"
 
 
 def find_descriptor(cls: type, attr: str) -> Tuple[Optional[type], Any]:
@@ -104,12 +137,20 @@ def is_ours(descriptor: Any) -> bool:
 
 
 def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[str]:
-    """None when the code matches the family, else a sentence saying what differs."""
+    """None when the code matches the family, else a sentence saying what differs. Where the
+    shim already patched the method, the original it saved is checked."""
     owner, desc = find_descriptor(cls, spec.attr)
     if desc is None:
         return f"{TARGET_CLASS}.{spec.attr} is missing"
     if is_ours(desc):
-        return None
+        with _lock:
+            desc = _originals.get((owner, spec.attr)) if owner is not None else None
+        if desc is None:
+            return None
+    return check_descriptor(desc, spec, family)
+
+
+def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
     if not isinstance(desc, staticmethod):
         return f"{TARGET_CLASS}.{spec.attr} is a {type(desc).__name__}, not a staticmethod"
     try:
@@ -156,7 +197,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
             if failures:
                 report.reason = (f"vLLM {info.raw} is in the range of family {family.name} but its "
                                  "code does not match (" + "; ".join(failures.values()) +
-                                 "); nothing patched, stock vLLM runs")
+                                 "); nothing patched")
         if report.reason is None:
             assert family is not None and isinstance(cls, type)
             try:
@@ -164,7 +205,9 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
             except Exception as exc:
                 report.applied.clear()
                 report.reason = (f"patching failed and was rolled back "
-                                 f"({type(exc).__name__}: {exc}); stock vLLM runs")
+                                 f"({type(exc).__name__}: {exc}); nothing patched")
+        if report.reason is not None:
+            report.reason += "; " + consequence()
         _last_report = report
         if report.reason is not None:
             warn_once(report.reason)
@@ -192,7 +235,9 @@ def _patch_all(cls: type, module: types.ModuleType, family: versions.Family,
             original = desc
             factory = getattr(paged_attention, spec.factory)
             wrapper = factory(family, original.__func__, module, settings)
-            new = staticmethod(PatchWrapper(original.__func__, wrapper))
+            label = (f"{TARGET_CLASS}.{spec.attr} (vLLM {report.vllm_version}, family "
+                     f"{family.name})")
+            new = staticmethod(PatchWrapper(original.__func__, wrapper, label))
             setattr(owner, spec.attr, new)
             _installed[key] = new
             done.append(key)
@@ -233,8 +278,13 @@ def get_original(cls: type, attr: str) -> Any:
 
 
 def last_report() -> Report:
-    return _last_report
+    with _lock:
+        return dataclasses.replace(_last_report, applied=list(_last_report.applied),
+                                   skipped=dict(_last_report.skipped),
+                                   checks=dict(_last_report.checks))
 
 
 def patched_attributes() -> List[str]:
-    return [attr for (_, attr) in _installed]
+    with _lock:
+        return [attr for (_, attr) in _installed]
+

@@ -10,7 +10,6 @@ imported and refuses to run, ``vllm._custom_ops`` with dense-reference ``paged_a
 from __future__ import annotations
 
 import os
-import textwrap
 from typing import Optional
 
 from vllm_bi100_patch import versions
@@ -76,47 +75,189 @@ def context_attention_fwd(*args, **kwargs):
 '''
 
 
-def _signature(params) -> str:
+# The parameter lists of PagedAttention.forward_decode / forward_prefix as they are written in
+# vllm/attention/ops/paged_attn.py of the official wheels (annotations included), one entry per
+# signature family. They are typed out here, NOT generated from versions.FAMILIES, so that the
+# fakes check that table instead of agreeing with it by construction
+# (tests/test_versions.py::test_families_match_the_literal_wheel_signatures).
+_DECODE_HEAD = """\
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        kv_cache_dtype: str,
+        num_kv_heads: int,
+        scale: float,
+        alibi_slopes: Optional[torch.Tensor],
+"""
+_BLOCKSPARSE = """\
+        tp_rank: int = 0,
+        blocksparse_local_blocks: int = 0,
+        blocksparse_vert_stride: int = 0,
+        blocksparse_block_size: int = 64,
+        blocksparse_head_sliding_step: int = 0,
+"""
+DECODE_SIGNATURES = {
+    # 0.5.0 - 0.5.2
+    "v0.5.0": _DECODE_HEAD + "        kv_scale: float,\n" + _BLOCKSPARSE,
+    # 0.5.3 - 0.6.6.post1
+    "v0.5.3": _DECODE_HEAD + "        k_scale: float,\n        v_scale: float,\n" + _BLOCKSPARSE,
+    "v0.5.5": _DECODE_HEAD + "        k_scale: float,\n        v_scale: float,\n" + _BLOCKSPARSE,
+    # 0.7.0 - 0.11.0
+    "v0.7.0": _DECODE_HEAD + "        k_scale: torch.Tensor,\n        v_scale: torch.Tensor,\n"
+    + _BLOCKSPARSE,
+    "v0.8.0": _DECODE_HEAD + "        k_scale: torch.Tensor,\n        v_scale: torch.Tensor,\n"
+    + _BLOCKSPARSE,
+    # 0.11.1 - 0.11.2 (PEP 604)
+    "v0.11.1": _DECODE_HEAD.replace("Optional[torch.Tensor]", "torch.Tensor | None")
+    + "        k_scale: torch.Tensor,\n        v_scale: torch.Tensor,\n" + _BLOCKSPARSE,
+}
+PREFIX_SIGNATURES = {
+    # 0.5.0 - 0.5.4
+    "v0.5.0": """\
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens_tensor: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+        alibi_slopes: Optional[torch.Tensor],
+        sliding_window: Optional[int],
+""",
+    # 0.5.5 - 0.6.6.post1
+    "v0.5.5": """\
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_dtype: str,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens_tensor: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+        alibi_slopes: Optional[torch.Tensor],
+        sliding_window: Optional[int],
+        k_scale: float,
+        v_scale: float,
+""",
+    # 0.7.0 - 0.7.3
+    "v0.7.0": """\
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_dtype: str,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens_tensor: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+        alibi_slopes: Optional[torch.Tensor],
+        sliding_window: Optional[int],
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+""",
+    # 0.8.0 - 0.11.0
+    "v0.8.0": """\
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_dtype: str,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens_tensor: torch.Tensor,
+        max_query_len: int,
+        alibi_slopes: Optional[torch.Tensor],
+        sliding_window: Optional[int],
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+""",
+    # 0.11.1 - 0.11.2
+    "v0.11.1": """\
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_dtype: str,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens_tensor: torch.Tensor,
+        max_query_len: int,
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+""",
+}
+PREFIX_SIGNATURES["v0.5.3"] = PREFIX_SIGNATURES["v0.5.0"]
+
+
+def _override(params) -> str:
+    """A signature for tests that break the family on purpose (renamed parameters)."""
     defaults = {"tp_rank": "0", "blocksparse_local_blocks": "0",
                 "blocksparse_vert_stride": "0", "blocksparse_block_size": "64",
                 "blocksparse_head_sliding_step": "0"}
-    return ", ".join(f"{p}={defaults[p]}" if p in defaults else p for p in params)
+    return "".join(f"        {p}={defaults[p]},\n" if p in defaults else f"        {p},\n"
+                   for p in params)
+
+
+def _first_arg(signature: str) -> str:
+    return signature.split(":", 1)[0].strip()
 
 
 def paged_attn_source(family: versions.Family, guarded_import: bool = True,
                       decode_params: Optional[tuple] = None,
                       decode_kind: str = "staticmethod") -> str:
-    decode = decode_params or family.decode_params
+    decode = _override(decode_params) if decode_params else DECODE_SIGNATURES[family.name]
+    prefix = PREFIX_SIGNATURES[family.name]
     triton_import = ("from vllm.attention.ops.prefix_prefill import context_attention_fwd\n")
     if guarded_import:
         triton_import = "HAS_TRITON = True\nif HAS_TRITON:\n    " + triton_import
     decorator = "@staticmethod" if decode_kind == "staticmethod" else "@classmethod"
-    first = "" if decode_kind == "staticmethod" else "cls, "
-    return textwrap.dedent('''\
-        """Fake paged_attn ({family})."""
-        from vllm import _custom_ops as ops
-        {triton_import}
-        STOCK_CALLS = []
-
-
-        class PagedAttention:
-            @staticmethod
-            def get_supported_head_sizes():
-                return [64, 80, 96, 112, 120, 128, 192, 256]
-
-            {decorator}
-            def forward_decode({first}{decode}):
-                STOCK_CALLS.append("forward_decode")
-                return "stock-decode"
-
-            @staticmethod
-            def forward_prefix({prefix}):
-                STOCK_CALLS.append("forward_prefix")
-                context_attention_fwd(query)
-                return "stock-prefix"
-        ''').format(family=family.name, triton_import=triton_import.replace("\n", "\n"),
-                    decorator=decorator, first=first, decode=_signature(decode),
-                    prefix=_signature(family.prefix_params))
+    first = "" if decode_kind == "staticmethod" else "        cls,\n"
+    lines = [
+        f'"""Fake paged_attn ({family.name})."""',
+        "from __future__ import annotations  # the fake does not import torch",
+        "",
+        "from typing import Optional",
+        "",
+        "from vllm import _custom_ops as ops",
+        triton_import,
+        "STOCK_CALLS = []",
+        "",
+        "",
+        "class PagedAttention:",
+        "    @staticmethod",
+        "    def get_supported_head_sizes():",
+        "        return [64, 80, 96, 112, 120, 128, 192, 256]",
+        "",
+        f"    {decorator}",
+        "    def forward_decode(",
+        first + decode + "    ) -> torch.Tensor:",
+        '        STOCK_CALLS.append("forward_decode")',
+        '        return "stock-decode"',
+        "",
+        "    @staticmethod",
+        "    def forward_prefix(",
+        prefix + "    ) -> torch.Tensor:",
+        '        STOCK_CALLS.append("forward_prefix")',
+        f"        context_attention_fwd({_first_arg(prefix)})",
+        '        return "stock-prefix"',
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] = None,

@@ -170,7 +170,10 @@ def scale_factor(scale: ScaleLike, name: str) -> ScaleLike:
             raise ValueError(f"{name} must be a float or a 1-element tensor, got shape "
                              f"{tuple(scale.shape)}")
         return scale.reshape(()).to(torch.float32)
-    return float(scale)
+    try:
+        return float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float or a 1-element tensor, got {scale!r}") from None
 
 
 def to_float(t: torch.Tensor, spec: CacheSpec) -> torch.Tensor:

@@ -63,6 +63,7 @@ STOCK_V1_MAX_SEQ_LEN = 8192
 
 #: How many decode calls took each route (the patch layer reports them in ``status()``).
 ROUTE_COUNTS: Dict[str, int] = {"native_v1": 0, "native_v2": 0, "fallback": 0}
+#: Guards ROUTE_COUNTS (``d[k] += 1`` is not atomic across threads).
 _counts_lock = threading.Lock()
 
 
@@ -85,7 +86,7 @@ class DecodeRouting:
 
 
 def route_counts() -> Dict[str, int]:
-    """A copy of the route counters."""
+    """A consistent copy of the route counters."""
     with _counts_lock:
         return dict(ROUTE_COUNTS)
 
@@ -97,7 +98,7 @@ def reset_route_counts() -> None:
             ROUTE_COUNTS[key] = 0
 
 
-def _bump(route: str) -> None:
+def _count_route(route: str) -> None:
     with _counts_lock:
         ROUTE_COUNTS[route] += 1
 
@@ -162,7 +163,7 @@ def decode(
     Raises:
         NotImplementedError: blocksparse attention that would have to fall back.
         ValueError: a ``head_mapping`` of the wrong shape, an int ``num_kv_heads`` that does
-            not match the cache, a ``max_seq_len`` that is not a finite integer.
+            not match the cache, a ``max_seq_len`` that is not an integer >= 0.
     """
     num_seqs, num_heads, head_size = query.shape
     max_seq_len = _as_int("max_seq_len", max_seq_len)
@@ -198,7 +199,7 @@ def decode(
             values["exp_sum"], values["max_logits"], values["tmp_out"] = _SCRATCH.get(
                 num_seqs, num_heads, partitions, head_size, out.dtype, out.device)
         if profile.call(route[len("native_"):], values):
-            _bump(route)
+            _count_route(route)
             return out
         # The kernel turned out to be a stub: it is now marked absent; choose again.
         route, why = _choose(profile, query, value_cache.shape[3], seq_lens, max_seq_len,
@@ -209,7 +210,7 @@ def decode(
             f"blocksparse paged attention (blocksparse_vert_stride={blocksparse_vert_stride}) "
             f"is only available in the native kernels, but this call would fall back ({why}); "
             "the pure-PyTorch decode does not implement block sparsity")
-    _bump("fallback")
+    _count_route("fallback")
     return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                         alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype,
                         k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
@@ -298,9 +299,12 @@ def describe(ops: Any, routing: DecodeRouting) -> Dict[str, Any]:
 
 def _as_int(name: str, value: Any) -> int:
     try:
-        return int(value)
+        number = int(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be a finite integer, got {value!r}") from None
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return number
 
 
 # --- the actual longest sequence, without syncs that matter -------------------------------

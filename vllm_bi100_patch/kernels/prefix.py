@@ -242,6 +242,8 @@ def paged_prefix(
                              f"head_size], got {tuple(getattr(t, 'shape', ()))}")
         if t.dtype != query.dtype:
             raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     check_int_tensor(query_start_loc, "query_start_loc", (None,))
     batch = query_start_loc.shape[0] - 1
     if batch < 0:
@@ -267,6 +269,9 @@ def paged_prefix(
     totals: List[int] = seq_lens.tolist()
     table_width = block_tables.shape[1]
     block_size = spec.block_size
+    if any(b < a for a, b in zip(starts, starts[1:])) or starts[0] < 0 or starts[-1] > num_tokens:
+        raise ValueError(f"query_start_loc must be non-decreasing within [0, {num_tokens}], got "
+                         f"{starts}")  # checked before seq_lens, which is derived from it
     for i in range(batch):
         q_len = starts[i + 1] - starts[i]
         if starts[i] < 0 or q_len < 0 or starts[i + 1] > num_tokens:

@@ -57,10 +57,20 @@ _counts_lock = threading.Lock()
 
 
 def call_counts() -> Dict[str, int]:
-    """Calls of each patched method plus the decode routes taken, in this process."""
-    counts = dict(CALL_COUNTS)
+    """Calls of each patched method plus the decode routes taken, in this process (each
+    group copied under its lock)."""
+    with _counts_lock:
+        counts = dict(CALL_COUNTS)
     counts.update({f"decode_{k}": v for k, v in dispatch.route_counts().items()})
     return counts
+
+
+def reset_call_counts() -> None:
+    """Zero the call counters and the decode route counters."""
+    with _counts_lock:
+        for key in CALL_COUNTS:
+            CALL_COUNTS[key] = 0
+    dispatch.reset_route_counts()
 
 
 def log_counts() -> None:

@@ -1,0 +1,160 @@
+"""doctor and status in fresh interpreters (repo on PYTHONPATH, so the repo's sitecustomize
+activates the shim at start-up as the installed one would): one verdict, documented exit codes,
+status and doctor agreeing, --version, and status patching nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from shimtest import ROOT, write_fake_vllm
+
+from vllm_bi100_patch import __version__, versions
+
+FAM = versions.family_for(versions.VersionInfo("0.6.3"))
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory):
+    base = tmp_path_factory.mktemp("doctor")
+    renamed = tuple("seqlens" if p == "seq_lens" else p for p in FAM.decode_params)
+    ixformer = base / "ixformer_site"
+    (ixformer / "ixformer").mkdir(parents=True)
+    (ixformer / "ixformer" / "__init__.py").write_text("raise ImportError('not at start-up')\n")
+    corex = base / "corex_site"
+    (corex / "torch-2.1.0+corex.3.2.3.dist-info").mkdir(parents=True)
+    return {
+        "none": None,
+        "v063": write_fake_vllm(str(base / "v063"), "0.6.3.post1"),
+        "v012": write_fake_vllm(str(base / "v012"), "0.12.0", with_methods=False),
+        "renamed": write_fake_vllm(str(base / "renamed"), "0.6.3", decode_params=renamed),
+        "ixformer": str(ixformer),
+        "corex": str(corex),
+    }
+
+
+def cli(fakes, tree, *args, extra_path=(), **env):
+    path = [ROOT] + ([fakes[tree]] if fakes[tree] else []) + [fakes[p] for p in extra_path]
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_BI100", "PYTHONPATH"))}
+    full.update(env, PYTHONPATH=os.pathsep.join(path))
+    return subprocess.run([sys.executable, "-m", "vllm_bi100_patch", *args], env=full,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def verdict_of(stdout):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("verdict: ")]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+# (tree, extra sys.path, env, exit code, verdict must contain)
+CASES = {
+    "no-vllm-auto": ("none", (), {}, 0, "will NOT patch: vLLM not installed in this environment"),
+    "no-vllm-forced": ("none", (), {"VLLM_BI100_PATCH": "1"}, 1,
+                       "will NOT patch: vLLM not installed in this environment"),
+    "kill-switch": ("v063", (), {"VLLM_BI100_PATCH": "0"}, 0,
+                    "will NOT patch: VLLM_BI100_PATCH=0 (kill switch)"),
+    "invalid-mode": ("v063", (), {"VLLM_BI100_PATCH": "2"}, 3,
+                     "VLLM_BI100_PATCH='2' is invalid; accepted: auto, 1, 0"),
+    "invalid-budget": ("v063", (), {"VLLM_BI100_PATCH": "1", "VLLM_BI100_PREFIX_BUDGET_MB": "x"},
+                       3, "WILL patch vLLM 0.6.3.post1 (family v0.5.5): forward_decode, "
+                       "forward_prefix; import guard on; VLLM_BI100_PATCH=1; invalid "
+                       "configuration: VLLM_BI100_PREFIX_BUDGET_MB='x' is invalid"),
+    "auto-no-iluvatar": ("v063", (), {}, 0, "will NOT patch: VLLM_BI100_PATCH unset (auto) and "
+                         "no Iluvatar stack detected"),
+    "auto-ixformer": ("v063", ("ixformer",), {"VLLM_BI100_PATCH": "auto"}, 0,
+                      "WILL patch vLLM 0.6.3.post1 (family v0.5.5): forward_decode, "
+                      "forward_prefix; import guard on"),
+    "auto-corex-torch": ("v063", ("corex",), {}, 0, "WILL patch vLLM 0.6.3.post1"),
+    "forced": ("v063", (), {"VLLM_BI100_PATCH": "1"}, 0, "WILL patch vLLM 0.6.3.post1"),
+    "disabled-all": ("v063", (), {"VLLM_BI100_PATCH": "1",
+                                  "VLLM_BI100_PATCH_DISABLE": "decode,prefix,import_guard"},
+                     0, "patches nothing: every patch is listed in VLLM_BI100_PATCH_DISABLE"),
+    "unsupported": ("v012", (), {"VLLM_BI100_PATCH": "1"}, 1,
+                    "will NOT patch: vLLM 0.12.0 is not a supported version"),
+    "code-check": ("renamed", (), {"VLLM_BI100_PATCH": "1"}, 1,
+                   "fails the code check (PagedAttention.forward_decode parameters"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_doctor_verdict_and_exit_code(fakes, case):
+    tree, extra, env, code, text = CASES[case]
+    proc = cli(fakes, tree, "doctor", extra_path=extra, **env)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    line = verdict_of(proc.stdout)
+    assert text in line, line
+    assert line.endswith(f"exit {code}]")
+    assert ("[as configured;" in line) is (code == 0)
+    assert "None is not supported" not in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_status_agrees_with_doctor(fakes, case):
+    tree, extra, env, code, _ = CASES[case]
+    doctor = verdict_of(cli(fakes, tree, "doctor", extra_path=extra, **env).stdout)
+    status = cli(fakes, tree, "status", extra_path=extra, **env)
+    assert status.returncode == 0, status.stderr
+    said = verdict_of(status.stdout)
+    if case == "code-check":  # status never imports vLLM: it cannot see the code
+        assert said.startswith("verdict: WILL patch") and "code not checked: run doctor" in said
+        return
+    assert said.replace(" (code not checked: run doctor)", "") == doctor
+    # the process line agrees with the verdict
+    decision = re.search(r"^decision +(.*)$", status.stdout, re.M).group(1)
+    if "WILL patch" in said or "patches nothing" in said:
+        assert decision.startswith("armed:")
+    elif "not a supported version" in said:  # checked when vLLM is imported; status does not
+        assert decision.startswith("armed:")
+    else:
+        assert decision.startswith("off:")
+
+
+def test_doctor_shows_the_process_patched_after_the_import(fakes):
+    out = cli(fakes, "v063", "doctor", VLLM_BI100_PATCH="1").stdout
+    process = out.split("this process", 1)[1]
+    assert "[info] patched: ['forward_decode', 'forward_prefix']" in process
+    assert "decision: patched: decode, prefix (vLLM 0.6.3.post1, family v0.5.5)" in process
+    assert "'prefix_prefill': 'substitute'" in process
+
+
+def test_doctor_failed_code_check_says_the_guard_stays_on(fakes):
+    out = cli(fakes, "renamed", "doctor", VLLM_BI100_PATCH="1").stdout
+    assert "the import guard stays on: stock forward_prefix raises TritonPrefixBlocked" in out
+    assert "decision: not patched: vLLM 0.6.3 is in the range of family v0.5.5" in out
+    assert "the import guard stays on on purpose" in out
+    off = cli(fakes, "renamed", "doctor", VLLM_BI100_PATCH="1",
+              VLLM_BI100_PATCH_DISABLE="import_guard").stdout
+    assert "stock vLLM runs" in verdict_of(off)
+
+
+def test_doctor_unsupported_version_shows_what_the_import_did(fakes):
+    out = cli(fakes, "v012", "doctor", VLLM_BI100_PATCH="1").stdout
+    assert "decision: not patched: vLLM 0.12.0 is not a supported version" in out
+    assert "'installed': False" in out  # the guard came off at the import of vLLM
+
+
+def test_version_flag(fakes):
+    proc = cli(fakes, "none", "--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"vllm-bi100-patch {__version__}"
+
+
+def test_status_patches_nothing_and_imports_no_vllm(fakes):
+    code = ("import sys, io, contextlib\n"
+            "from vllm_bi100_patch.__main__ import main\n"
+            "buf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf):\n"
+            "    rc = main(['status'])\n"
+            "import vllm_bi100_patch as shim\n"
+            "st = shim.status()\n"
+            "print(rc, sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')),"
+            " st['patched'])\n")
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_BI100", "PYTHONPATH"))}
+    full.update(VLLM_BI100_PATCH="1", PYTHONPATH=os.pathsep.join([ROOT, fakes["v063"]]))
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.stdout.strip() == "0 [] []", proc.stdout + proc.stderr
