@@ -30,6 +30,7 @@ def fakes(tmp_path_factory):
         "none": None,
         "v063": write_fake_vllm(str(base / "v063"), "0.6.3.post1"),
         "v012": write_fake_vllm(str(base / "v012"), "0.12.0", with_methods=False),
+        "corex43": write_fake_vllm(str(base / "corex43"), "0.8.3+corex.4.3.0"),
         "renamed": write_fake_vllm(str(base / "renamed"), "0.6.3", decode_params=renamed),
         "ixformer": str(ixformer),
         "corex": str(corex),
@@ -77,6 +78,10 @@ CASES = {
                     "will NOT patch: vLLM 0.12.0 is not a supported version"),
     "code-check": ("renamed", (), {"VLLM_BI100_PATCH": "1"}, 1,
                    "fails the code check (PagedAttention.forward_decode parameters"),
+    # CoreX 4.x serves attention through ixformer FlashAttention: patched, but not protected.
+    "corex-4x-off-path": ("corex43", ("ixformer",), {}, 1,
+                          "patches forward_decode, forward_prefix but they are NOT on the "
+                          "serving path: vLLM 0.8.3+corex.4.3.0 is an Iluvatar CoreX 4.x build"),
 }
 
 
@@ -106,7 +111,7 @@ def test_status_agrees_with_doctor(fakes, case):
     assert said.replace(" (code not checked: run doctor)", "") == doctor
     # the process line agrees with the verdict
     decision = re.search(r"^decision +(.*)$", status.stdout, re.M).group(1)
-    if "WILL patch" in said or "patches nothing" in said:
+    if "WILL patch" in said or "patches nothing" in said or "NOT on the serving path" in said:
         assert decision.startswith("armed:")
     elif "not a supported version" in said:  # checked when vLLM is imported; status does not
         assert decision.startswith("armed:")
@@ -158,3 +163,19 @@ def test_status_patches_nothing_and_imports_no_vllm(fakes):
     proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.stdout.strip() == "0 [] []", proc.stdout + proc.stderr
+
+
+def test_doctor_shows_the_native_decode_profile(fakes):
+    out = cli(fakes, "v063", "doctor", VLLM_BI100_PATCH="1").stdout
+    native = out.split("native decode kernels", 1)[1].split("\nthis process (doctor", 1)[0]
+    # The fake tree's ops take stock arguments but have no kernels behind them on CPU.
+    assert "[info] ops: no native kernels in this process" in native
+    assert "route: every length: pure-PyTorch decode (no native ops)" in native
+
+
+def test_status_names_the_serving_path_of_a_corex_4x_build(fakes):
+    out = cli(fakes, "corex43", "status", extra_path=("ixformer",)).stdout
+    line = re.search(r"^serving_path +(.*)$", out, re.M).group(1)
+    assert "Iluvatar CoreX 4.x build" in line and "not on the serving path" in line
+    plain = cli(fakes, "v063", "status").stdout
+    assert re.search(r"^serving_path +None$", plain, re.M)

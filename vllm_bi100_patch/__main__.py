@@ -114,14 +114,18 @@ def _verdict(settings: config.Settings, info: versions.VersionInfo,
     if not names:
         return Verdict(False, f"patches nothing: every patch is listed in {config.DISABLE}; "
                        f"import guard {guard}", EXIT_OK)
+    off_path = versions.serving_path_note(info)
+    if off_path is not None:
+        return Verdict(True, f"patches {', '.join(names)} but they are NOT on the serving "
+                       f"path: {off_path}", EXIT_WONT_PATCH)
     return Verdict(True, f"WILL patch vLLM {info.raw} (family {family.name}): "
                    f"{', '.join(names)}; import guard {guard}; {settings.mode_text()}{checked}",
                    EXIT_OK)
 
 
 STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
-               "supported", "active", "decision", "activated_by", "patched", "import_guard",
-               "counts", "config_errors", "last_error"]
+               "supported", "serving_path", "active", "decision", "activated_by", "patched",
+               "import_guard", "native_ops", "counts", "config_errors", "last_error"]
 
 
 PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
@@ -187,6 +191,31 @@ def _code_checks(settings: config.Settings, family: versions.Family) -> List[Che
     return out
 
 
+def _native_section(settings: config.Settings) -> Section:
+    """The native decode kernels of this build and the route each length band takes."""
+    from .patches import paged_attention
+
+    module = sys.modules.get("vllm.attention.ops.paged_attn")
+    if module is None:
+        return Section("native decode kernels", [("info", "profile", "paged_attn not imported")])
+    desc = paged_attention.describe_native(module, settings)
+    checks: List[Check] = []
+    profile = desc["native_ops"]
+    if profile is None:
+        checks.append(("info", "ops", "no native kernels in this process (pure-PyTorch decode "
+                       "at every length)"))
+    else:
+        checks.append(("info", "convention", f"{profile['convention']} "
+                       + ("(Iluvatar: head_mapping, no scales)" if profile["convention"] ==
+                          "vendor" else "(stock vLLM arguments)")))
+        checks.append(("info", "paged_attention_v1", profile["paged_attention_v1"]))
+        checks.append(("info", "paged_attention_v2", profile["paged_attention_v2"]))
+        checks.append(("info", "V1 limit", f"max_seq_len <= {desc['v1_limit']} "
+                       f"({config.V1_MAX_SEQ_LEN} overrides)"))
+    checks += [("info", "route", band) for band in desc["bands"]]
+    return Section("native decode kernels", checks)
+
+
 def _config_section(settings: config.Settings) -> Section:
     checks: List[Check] = []
     for var in config.VARIABLES:
@@ -216,6 +245,9 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
             "ok" if family else "FAIL", "version",
             f"{info.raw}, family {family.name}" if family else
             f"{info.raw} is not a supported version")]))
+        off_path = versions.serving_path_note(info)
+        if off_path is not None:
+            sections[-1].checks.append(("FAIL", "serving path", off_path))
     cheap = hardware.cheap_detection()
     sections.append(Section("hardware", [
         ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
@@ -229,6 +261,8 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
         checks = _code_checks(settings, family)
         sections.append(Section("code checks", checks))
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
+        if "vllm.attention.ops.paged_attn" in sys.modules:
+            sections.append(_native_section(settings))
         facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
         sections[2].checks.append(("info", "device", f"{facts['device_name']} "
                                    f"({facts['sm_count']} SMs)" if facts.get("device_name")

@@ -193,6 +193,11 @@ def v1_max_seq_len(settings: config.Settings) -> Optional[int]:
 _profiled: Dict[str, Any] = {}
 
 
+def describe_native(module: types.ModuleType, settings: config.Settings) -> Dict[str, Any]:
+    """``dispatch.describe`` for ``module``'s ops under ``settings`` (doctor)."""
+    return dispatch.describe(_native_ops(module), _Routing(settings).get())
+
+
 def native_profile() -> Optional[Dict[str, Any]]:
     """The native-ops profile of the patched module and the route each length band takes
     (None before the decode patch was applied)."""
