@@ -158,3 +158,17 @@ def test_prefix_chunked_and_prefix_hit_match_reference(prefix_run):
     assert not bad, bad
     assert report["status"]["counts"]["forward_prefix"] == len(results)
     assert report["status"]["import_guard"]["prefix_prefill"] == "absent"
+
+
+def test_doctor_on_the_standin_shows_the_vendor_profile():
+    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI100")}
+    full.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"], env=full,
+                          capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[info] convention: vendor (Iluvatar: head_mapping, no scales)" in out
+    assert "[info] paged_attention_v2: absent (its body only raises NotImplementedError)" in out
+    assert "[info] route: max_seq_len <= 32768: native V1" in out
+    assert "[info] route: max_seq_len > 32768: pure-PyTorch decode (no V2)" in out
+    assert "verdict: WILL patch vLLM 0.6.3+corex.3.2.3 (family v0.5.5)" in out
