@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vllm_bi100_patch import config, versions  # noqa: E402
+from vllm_bi100_patch import config, table, versions  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 
@@ -67,7 +67,8 @@ def versions_block() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"env-table": config.env_table, "versions-table": versions_block}
+BLOCKS = {"env-table": config.env_table, "versions-table": versions_block,
+          "catalogue": table.catalogue}
 
 
 def render(text: str) -> str:

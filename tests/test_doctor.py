@@ -121,7 +121,7 @@ def test_status_agrees_with_doctor(fakes, case):
 
 def test_doctor_shows_the_process_patched_after_the_import(fakes):
     out = cli(fakes, "v063", "doctor", VLLM_BI100_PATCH="1").stdout
-    process = out.split("this process", 1)[1]
+    process = out.split("\nthis process (doctor", 1)[1]
     assert "[info] patched: ['forward_decode', 'forward_prefix']" in process
     assert "decision: patched: decode, prefix (vLLM 0.6.3.post1, family v0.5.5)" in process
     assert "'prefix_prefill': 'substitute'" in process

@@ -36,11 +36,11 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
         if strict_now and settings.errors and not settings.kill_switch:
             raise config.ConfigError("; ".join(settings.errors))
         if strict_now and st["active"]:
-            from . import registry, versions
+            from . import decision, registry, versions
 
-            info = versions.installed_vllm_version()
-            if versions.family_for(info) is None:
-                raise registry.PatchError(registry.unsupported_reason(info))
+            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
+            if result.kind == decision.UNSUPPORTED:
+                raise registry.PatchError(result.reason)
             if "vllm_bi100_patch.registry" in sys.modules:
                 reason = registry.last_report().reason
                 if reason is not None:

@@ -82,33 +82,34 @@ def verdict(settings: config.Settings, info: versions.VersionInfo,
 
 def _verdict(settings: config.Settings, info: versions.VersionInfo,
              code_problems: Optional[List[str]], activation_ok: Optional[bool]) -> Verdict:
-    from . import registry
+    from . import decision, registry
 
-    closed = _bootstrap.gate(settings)
-    if closed is not None:
-        kind, why = closed
-        code = EXIT_OK if kind in ("kill_switch", "not_iluvatar") else EXIT_WONT_PATCH
-        if kind == "no_vllm":
+    result = decision.decide(settings, info, code_problems=code_problems)
+    if not result.open:
+        kind, why = result.kind, result.reason
+        code = EXIT_OK if kind in decision.AS_CONFIGURED else EXIT_WONT_PATCH
+        if kind == decision.NO_VLLM:
             why = f"vLLM not installed in this environment ({sys.executable}); nothing to patch"
             if settings.mode == "auto" and not hardware.looks_like_iluvatar():
                 code = EXIT_OK  # auto on a machine without the Iluvatar stack asks for nothing
                 why += f"; {settings.mode_text()} and no Iluvatar stack detected either"
         return Verdict(False, "will NOT patch: " + why, code)
+    if result.kind == decision.UNSUPPORTED:
+        return Verdict(False, "will NOT patch: " + result.reason, EXIT_WONT_PATCH)
     family = versions.family_for(info)
-    if family is None:
-        return Verdict(False, "will NOT patch: " + registry.unsupported_reason(info),
-                       EXIT_WONT_PATCH)
-    if code_problems:
+    assert family is not None
+    if result.kind == decision.CODE_MISMATCH:
         guard = ("the import guard stays on: stock forward_prefix raises TritonPrefixBlocked"
                  if "import_guard" not in settings.disabled else "stock vLLM runs")
         return Verdict(False, f"will NOT patch: vLLM {info.raw} (family {family.name}) fails "
-                       f"the code check ({'; '.join(code_problems)}); {guard}",
+                       f"the code check ({'; '.join(code_problems or [])}); {guard}",
                        EXIT_WONT_PATCH)
     if activation_ok is False:
         return Verdict(False, "will NOT patch at start-up: no activation path works "
                        "(sitecustomize, .pth, vLLM plugin entry point); is the shim "
                        "pip-installed into this environment?", EXIT_WONT_PATCH)
-    names = [s.attr for s in registry.SPECS if s.name not in settings.disabled]
+    names = [s.attr for s in registry.SPECS
+             if s.name not in settings.disabled and s.row.when is None]
     guard = "off (disabled)" if "import_guard" in settings.disabled else "on"
     checked = "" if code_problems is not None else " (code not checked: run doctor)"
     if not names:
@@ -184,7 +185,12 @@ def _code_checks(settings: config.Settings, family: versions.Family) -> List[Che
     if not isinstance(cls, type):
         return [("FAIL", registry.TARGET_CLASS, "class missing")]
     out: List[Check] = []
-    for spec in registry.SPECS:
+    for spec in registry.specs_for(module.__name__):
+        unneeded = spec.not_needed(module) if spec.row.when is not None else None
+        if unneeded:
+            out.append(("info", f"code check {spec.attr}", f"not needed in this build: "
+                        f"{unneeded}"))
+            continue
         problem = registry.check_code(cls, spec, family)
         out.append(("ok" if problem is None else "FAIL", f"code check {spec.attr}",
                     problem or f"family {family.name}"))

@@ -11,27 +11,16 @@ from __future__ import annotations
 
 import _thread
 import sys
-from . import config
+from . import _log, config, table
 
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
-TARGET_MODULE = "vllm.attention.ops.paged_attn"
-LOGGER = "vllm.bi100_patch"
-
-
-class _LazyLogger:
-    """``logging`` is imported on the first message, not at interpreter start."""
-
-    def __getattr__(self, name: str) -> Any:
-        import logging
-
-        return getattr(logging.getLogger(LOGGER), name)
-
-
-log = _LazyLogger()
+TARGET_MODULE = table.PAGED_ATTN
+LOGGER = _log.NAME
+log = _log.log
 _lock = _thread.RLock()
 _sources: List[str] = []
 _settings: Optional[config.Settings] = None
@@ -119,6 +108,21 @@ _finder = PostImportFinder()
 AT_START = ("sitecustomize", "pth")
 
 
+def _guards(action: str, settings: Optional[config.Settings] = None) -> None:
+    """``install`` the enabled import-guard rows of the patch table (their factory), or
+    ``uninstall`` every one that was loaded (the same module's ``uninstall``)."""
+    import importlib
+
+    for row in table.guards():
+        module_name, _, install = row.factory.partition(":")
+        if action == "install":
+            if settings is not None and row.name in settings.disabled:
+                continue
+            getattr(importlib.import_module(module_name), install)()
+        elif module_name in sys.modules:
+            sys.modules[module_name].uninstall()
+
+
 def _ensure_finder() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
@@ -130,22 +134,13 @@ def _remove_finder() -> None:
 
 
 def gate(settings: config.Settings, force: bool = False) -> Optional[Tuple[str, str]]:
-    """The start-up part of the one decision: None when the shim arms in this process, else
-    ``(kind, why)`` with kind ``invalid``, ``kill_switch``, ``not_iluvatar`` or ``no_vllm``.
-    Cheap: no torch, no vLLM, no package metadata. ``doctor`` and ``status`` use it too."""
-    if settings.mode == config.INVALID:
-        return "invalid", (f"{settings.mode_text()} is invalid (accepted: auto, 1, 0); the "
-                           "shim stays off")
-    if settings.kill_switch:
-        return "kill_switch", f"{settings.mode_text()} (kill switch): nothing patched, stock vLLM"
-    from . import hardware
+    """The start-up stage of ``decision.decide``: None when the shim arms in this process,
+    else ``(kind, why)`` with kind ``invalid``, ``kill_switch``, ``not_iluvatar`` or
+    ``no_vllm``. Cheap: no torch, no vLLM, no package metadata."""
+    from . import decision
 
-    if not hardware.findable("vllm"):
-        return "no_vllm", "vLLM not installed in this environment (nothing to patch)"
-    if settings.mode == "auto" and not force and not hardware.looks_like_iluvatar():
-        return "not_iluvatar", (f"{settings.mode_text()} and no Iluvatar stack detected (no "
-                                f"ixformer, no +corex torch); set {config.MODE}=1 to force")
-    return None
+    result = decision.decide(settings, force=force)
+    return None if result.open else (result.kind, result.reason)
 
 
 def _report_config_errors(settings: config.Settings) -> None:
@@ -177,15 +172,12 @@ def _before_vllm() -> None:
         if not _active:
             return
         try:
-            from . import registry, versions
+            from . import decision, registry, versions
 
-            info = versions.installed_vllm_version()
-            if versions.family_for(info) is None:
-                reason = registry.unsupported_reason(info)
-                if "vllm_bi100_patch.import_guard" in sys.modules:
-                    from . import import_guard
-
-                    import_guard.uninstall()
+            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
+            if result.kind == decision.UNSUPPORTED:
+                reason = result.reason
+                _guards("uninstall")
                 reason += "; " + registry.consequence()
                 _decision = "not patched: " + reason
                 registry.warn_once(reason)
@@ -198,8 +190,9 @@ def _before_vllm() -> None:
             log.exception("vllm-bi100-patch: version check failed")
 
 
-def _on_paged_attn(module: Any) -> None:
-    """Post-import callback: patch now. Never raises, except under strict mode."""
+def _on_target(module: Any) -> None:
+    """Post-import callback of every module the patch table targets: patch it now. Never
+    raises, except under strict mode."""
     global _last_error, _decision
     with _lock:
         if not _active or _settings is None:
@@ -223,7 +216,9 @@ def _on_paged_attn(module: Any) -> None:
         from . import import_guard
 
         guard = "on" if import_guard.installed() else "off"
-        skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items())
+        # Conditional rows this build does not need are in status()["report"], not here.
+        skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
+                          if not v.startswith("not needed"))
         _decision = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
                      f"{report.vllm_version}, family {report.family}); import guard {guard}")
         log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
@@ -268,17 +263,15 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
             return
         _active = True
         _decision = "armed: patches when vLLM imports " + TARGET_MODULE
-        if "import_guard" not in settings.disabled:
-            from . import import_guard
-
-            import_guard.install()
+        _guards("install", settings)
         _watch_vllm()
-        if _on_paged_attn not in _finder.hooks.get(TARGET_MODULE, []):
-            _finder.register(TARGET_MODULE, _on_paged_attn)
-        else:
-            module = sys.modules.get(TARGET_MODULE)
-            if module is not None:
-                _on_paged_attn(module)
+        for name in table.hooked_modules():
+            if _on_target not in _finder.hooks.get(name, []):
+                _finder.register(name, _on_target)
+            else:
+                module = sys.modules.get(name)
+                if module is not None:
+                    _on_target(module)
 
 
 def bootstrap(source: str) -> None:
@@ -311,10 +304,7 @@ def deactivate() -> None:
         _active = False
         _decision = "reverted: stock vLLM (apply() patches again)"
         _remove_finder()
-        if "vllm_bi100_patch.import_guard" in sys.modules:
-            from . import import_guard
-
-            import_guard.uninstall()
+        _guards("uninstall")
 
 
 def state() -> Dict[str, Any]:

@@ -14,6 +14,9 @@ that import vLLM; under strict mode it refuses to let vLLM import instead.
 from __future__ import annotations
 
 import os
+
+from . import table
+
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:  # the bootstrap imports this module in every interpreter: keep it bare
@@ -30,8 +33,8 @@ SM_OCCUPANCY = "VLLM_BI100_SM_OCCUPANCY"
 SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
 V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 
-#: Names accepted in VLLM_BI100_PATCH_DISABLE (one per registry patch).
-PATCH_NAMES: Tuple[str, ...] = ("decode", "prefix", "import_guard")
+#: Names accepted in VLLM_BI100_PATCH_DISABLE: one per row of the patch table.
+PATCH_NAMES: Tuple[str, ...] = table.names()
 
 #: ``Settings.mode`` of an invalid ``VLLM_BI100_PATCH``: off, and reported as invalid.
 INVALID = "invalid"
@@ -165,7 +168,7 @@ def _parse_bool(raw: str) -> bool:
 
 def _parse_disabled(raw: str) -> Tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
-    if any(n not in PATCH_NAMES for n in names):
+    if any(n not in table.names() for n in names):
         raise ValueError
     return names
 

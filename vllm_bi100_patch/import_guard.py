@@ -23,17 +23,13 @@ from __future__ import annotations
 import _thread
 import sys
 
+from ._log import log
+
 TYPE_CHECKING = False  # imported at interpreter start when active: no typing, no logging
 if TYPE_CHECKING:
     import importlib.machinery
     import types
     from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-
-def _log() -> Any:
-    import logging
-
-    return logging.getLogger("vllm.bi100_patch")
 
 TARGET = "vllm.attention.ops.prefix_prefill"
 #: Modules that bind ``context_attention_fwd`` at import time.
@@ -80,7 +76,7 @@ class _SubstituteLoader:
         module.TritonPrefixBlocked = TritonPrefixBlocked  # type: ignore[attr-defined]
         setattr(module, MARKER, True)
         module.__getattr__ = _module_getattr  # type: ignore[attr-defined,method-assign]
-        _log().debug("served the substitute for %s", TARGET)
+        log.debug("served the substitute for %s", TARGET)
 
 
 class PrefixPrefillGuard:
@@ -122,7 +118,7 @@ def install() -> None:
             sys.meta_path.insert(0, _finder)
         real = sys.modules.get(TARGET)
         if real is not None and not is_substitute(real):
-            _log().warning("%s (Triton) was imported before vllm-bi100-patch activated; it stays "
+            log.warning("%s (Triton) was imported before vllm-bi100-patch activated; it stays "
                         "loaded but every reference vLLM holds to context_attention_fwd now "
                         "points at the blocking substitute", TARGET)
             _rebind_existing(real)

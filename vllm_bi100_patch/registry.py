@@ -1,4 +1,7 @@
-"""The registry of patches: specs, code checks, saved originals, all-or-nothing apply/revert.
+"""The registry of patches: code checks, saved originals, all-or-nothing apply/revert.
+
+The patches themselves are rows of ``vllm_bi100_patch.table``; ``SPECS`` is derived from its
+method rows, and whether to patch at all is ``decision.decide``'s answer.
 
 Style: attributes are resolved through ``vars(cls)`` along the MRO, never
 ``getattr``, so a staticmethod stays one; the raw descriptor is saved only when it is not our
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 import sys
 import threading
 import types
@@ -18,11 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import config, versions
+from . import config, decision, table, versions
+from ._log import log
 
-log = logging.getLogger("vllm.bi100_patch")
-
-TARGET_MODULE = "vllm.attention.ops.paged_attn"
+TARGET_MODULE = table.PAGED_ATTN
 TARGET_CLASS = "PagedAttention"
 
 
@@ -54,20 +55,48 @@ class PatchError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class PatchSpec:
-    """One patched method: where it lives, which family parameters it must have, and how to
-    build its replacement. The catalogue entry (why/how/versions/removal) sits beside the
-    replacement in ``patches/``."""
+    """A method row of ``table.PATCHES``, ready for the registry."""
 
-    name: str        # the name used in VLLM_BI100_PATCH_DISABLE
-    attr: str        # method of PagedAttention
-    params: Callable[[versions.Family], Tuple[str, ...]]
-    factory: str     # name of the wrapper factory in patches.paged_attention
+    row: table.Patch
+
+    @property
+    def name(self) -> str:  # the name used in VLLM_BI100_PATCH_DISABLE
+        return self.row.name
+
+    @property
+    def module(self) -> str:
+        return self.row.module
+
+    @property
+    def owner(self) -> str:
+        return self.row.owner
+
+    @property
+    def attr(self) -> str:
+        return self.row.attr
+
+    def params(self, family: versions.Family) -> Tuple[str, ...]:
+        """The parameter names the code check expects in ``family``."""
+        how, _, what = (self.row.params or "").partition(":")
+        if how == "family":
+            return tuple(getattr(family, what))
+        if how == "names":
+            return tuple(n for n in what.split(",") if n)
+        raise ValueError(f"table row {self.name}: unknown params check {self.row.params!r}")
+
+    def factory(self) -> Callable[..., Any]:
+        return table.resolve(self.row.factory)  # type: ignore[return-value]
+
+    def not_needed(self, module: types.ModuleType) -> Optional[str]:
+        """Why this (conditional) patch is not needed for ``module``; None when it is."""
+        if self.row.when is None:
+            return None
+        check: Callable[[types.ModuleType], Optional[str]] = table.resolve(  # type: ignore
+            self.row.when)
+        return check(module)
 
 
-SPECS: Tuple[PatchSpec, ...] = (
-    PatchSpec("decode", "forward_decode", lambda f: f.decode_params, "make_decode_wrapper"),
-    PatchSpec("prefix", "forward_prefix", lambda f: f.prefix_params, "make_prefix_wrapper"),
-)
+SPECS: Tuple[PatchSpec, ...] = tuple(PatchSpec(row) for row in table.methods())
 
 
 @dataclasses.dataclass
@@ -103,11 +132,7 @@ def warn_once(reason: str) -> None:
     log.warning("vllm-bi100-patch: %s", reason)
 
 
-def unsupported_reason(info: versions.VersionInfo) -> str:
-    if info.raw is None:
-        return "vLLM not installed; nothing patched"
-    return (f"vLLM {info.raw} is not a supported version (supported: "
-            f"{versions.FAMILIES[0].first} to {versions.FAMILIES[-1].last}); nothing patched")
+unsupported_reason = decision.unsupported_reason
 
 
 def consequence() -> str:
@@ -141,7 +166,7 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
     shim already patched the method, the original it saved is checked."""
     owner, desc = find_descriptor(cls, spec.attr)
     if desc is None:
-        return f"{TARGET_CLASS}.{spec.attr} is missing"
+        return f"{spec.owner}.{spec.attr} is missing"
     if is_ours(desc):
         with _lock:
             desc = _originals.get((owner, spec.attr)) if owner is not None else None
@@ -151,61 +176,76 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
 
 
 def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
+    where = f"{spec.owner}.{spec.attr}"
     if not isinstance(desc, staticmethod):
-        return f"{TARGET_CLASS}.{spec.attr} is a {type(desc).__name__}, not a staticmethod"
+        return f"{where} is a {type(desc).__name__}, not a staticmethod"
     try:
         params = tuple(inspect.signature(desc.__func__).parameters)
     except (TypeError, ValueError) as exc:
-        return f"{TARGET_CLASS}.{spec.attr} has no readable signature ({exc})"
+        return f"{where} has no readable signature ({exc})"
     expected = spec.params(family)
     if params != expected:
-        return (f"{TARGET_CLASS}.{spec.attr} parameters {list(params)} differ from family "
+        return (f"{where} parameters {list(params)} differ from family "
                 f"{family.name}'s {list(expected)}")
     return None
 
 
-def _enabled_specs(settings: config.Settings) -> List[PatchSpec]:
-    return [s for s in SPECS if s.name not in settings.disabled]
+def specs_for(module_name: str) -> List[PatchSpec]:
+    """The method rows that target ``module_name``."""
+    return [s for s in SPECS if s.module == module_name]
+
+
+def _enabled_specs(settings: config.Settings, module_name: str = TARGET_MODULE
+                   ) -> List[PatchSpec]:
+    return [s for s in specs_for(module_name) if s.name not in settings.disabled]
 
 
 def apply_to(module: types.ModuleType, settings: config.Settings,
              strict: bool = False) -> Report:
-    """Patch ``module`` (the imported paged_attn) all-or-nothing. Never raises unless strict."""
+    """Patch ``module`` (an imported target module of the table) all-or-nothing: every enabled
+    row that is needed in this build, or none. Never raises unless strict."""
     global _last_report
     with _lock:
         report = Report()
         info = versions.installed_vllm_version()
         report.vllm_version = info.raw
-        family = versions.family_for(info)
-        cls = vars(module).get(TARGET_CLASS)
-        if family is None:
-            report.reason = unsupported_reason(info)
-        elif not isinstance(cls, type):
-            report.reason = f"{module.__name__} has no class {TARGET_CLASS}; nothing patched"
-        report.family = family.name if family else None
-        for spec in SPECS:
+        specs = specs_for(module.__name__)
+        owners = {s.owner for s in specs}
+        classes = {name: vars(module).get(name) for name in owners}
+        missing = [n for n, c in classes.items() if not isinstance(c, type)]
+        for spec in specs:
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
-        if report.reason is None:
-            assert family is not None and isinstance(cls, type)
-            failures = {}
-            for spec in _enabled_specs(settings):
-                problem = check_code(cls, spec, family)
+        verdict = decision.decide(settings, info, force=True, target_missing=(
+            f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
+        report.family = verdict.family
+        family = versions.family_for(info)
+        todo: List[PatchSpec] = []
+        if verdict.kind == decision.PATCH:
+            assert family is not None
+            failures = []
+            for spec in _enabled_specs(settings, module.__name__):
+                unneeded = spec.not_needed(module)  # conditional rows: only where needed
+                if unneeded:
+                    report.skipped[spec.name] = "not needed: " + unneeded
+                    continue
+                problem = check_code(classes[spec.owner], spec, family)  # type: ignore[arg-type]
                 report.checks[spec.attr] = problem or "ok"
                 if problem:
-                    failures[spec.name] = problem
-            if failures:
-                report.reason = (f"vLLM {info.raw} is in the range of family {family.name} but its "
-                                 "code does not match (" + "; ".join(failures.values()) +
-                                 "); nothing patched")
-        if report.reason is None:
-            assert family is not None and isinstance(cls, type)
+                    failures.append(problem)
+                else:
+                    todo.append(spec)
+            verdict = decision.decide(settings, info, force=True, code_problems=failures)
+        if verdict.kind == decision.PATCH:
+            assert family is not None
             try:
-                _patch_all(cls, module, family, settings, report)
+                _patch_all(classes, module, family, todo, report, settings)
             except Exception as exc:
                 report.applied.clear()
                 report.reason = (f"patching failed and was rolled back "
                                  f"({type(exc).__name__}: {exc}); nothing patched")
+        else:
+            report.reason = verdict.reason
         if report.reason is not None:
             report.reason += "; " + consequence()
         _last_report = report
@@ -216,14 +256,12 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         return report
 
 
-def _patch_all(cls: type, module: types.ModuleType, family: versions.Family,
-               settings: config.Settings, report: Report) -> None:
-    from .patches import paged_attention  # torch is loaded: the target module imported it
-
+def _patch_all(classes: Dict[str, Any], module: types.ModuleType, family: versions.Family,
+               specs: List[PatchSpec], report: Report, settings: config.Settings) -> None:
     done: List[Tuple[type, str]] = []
     try:
-        for spec in _enabled_specs(settings):
-            owner, desc = find_descriptor(cls, spec.attr)
+        for spec in specs:
+            owner, desc = find_descriptor(classes[spec.owner], spec.attr)
             assert owner is not None  # check_code passed
             key = (owner, spec.attr)
             if is_ours(desc):
@@ -233,9 +271,8 @@ def _patch_all(cls: type, module: types.ModuleType, family: versions.Family,
             # another tool installed after an earlier revert (never our own wrapper).
             _originals[key] = desc
             original = desc
-            factory = getattr(paged_attention, spec.factory)
-            wrapper = factory(family, original.__func__, module, settings)
-            label = (f"{TARGET_CLASS}.{spec.attr} (vLLM {report.vllm_version}, family "
+            wrapper = spec.factory()(family, original.__func__, module, settings)
+            label = (f"{spec.owner}.{spec.attr} (vLLM {report.vllm_version}, family "
                      f"{family.name})")
             new = staticmethod(PatchWrapper(original.__func__, wrapper, label))
             setattr(owner, spec.attr, new)

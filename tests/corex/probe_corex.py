@@ -12,6 +12,7 @@ arguments.  References are float64 attention over the dense K/V the probe genera
   decode  the decode grid through the patched forward_decode
   prefix  chunked prefill (context 0, then chunks) and a prefix-cache hit through the
           patched forward_prefix
+  blocks  KV blocks swapped out to host memory and back through PagedAttention.swap_blocks
 """
 
 from __future__ import annotations
@@ -279,6 +280,25 @@ def mode_prefix() -> None:
     emit(results=results, status=vllm_bi100_patch.status())
 
 
+def mode_blocks() -> None:
+    """Preemption by swapping: blocks out to host memory and back in, bit-identical."""
+    import vllm_bi100_patch
+
+    layer = VendorLayer(8, 2, 128, torch.float16, num_blocks=12, seed=3)
+    layer.kv_cache.copy_(torch.randn(layer.kv_cache.shape, generator=layer.gen).half())
+    original = layer.kv_cache.clone()
+    host = torch.zeros((2, 8, layer.kv_cache.shape[2]), dtype=torch.float16)
+    out_map = torch.tensor([[3, 0], [7, 5], [11, 2]], dtype=torch.int64)
+    layer.pa.swap_blocks(layer.kv_cache, host, out_map)
+    layer.kv_cache.zero_()
+    in_map = torch.tensor([[0, 1], [5, 4], [2, 9]], dtype=torch.int64)
+    layer.pa.swap_blocks(host, layer.kv_cache, in_map)
+    same = all(torch.equal(layer.kv_cache[:, d].view(torch.int16),
+                           original[:, s].view(torch.int16))
+               for (s, _), (_, d) in zip(out_map.tolist(), in_map.tolist()))
+    emit(bit_identical=same, status=vllm_bi100_patch.status())
+
+
 def mode_stock() -> None:
     from vllm import _custom_ops as ops
 
@@ -319,7 +339,7 @@ def mode_facts() -> None:
 if __name__ == "__main__":
     try:
         {"facts": mode_facts, "stock": mode_stock, "decode": mode_decode,
-         "prefix": mode_prefix}[sys.argv[1]]()
+         "prefix": mode_prefix, "blocks": mode_blocks}[sys.argv[1]]()
     except BaseException:
         traceback.print_exc()
         sys.exit(1)

@@ -74,7 +74,7 @@ def test_auto_mode_activates_and_reports_the_vendor_version(facts):
     assert st["mode"] == "auto" and st["active"] is True, st
     assert st["vllm_version"] == "0.6.3+corex.3.2.3" and st["family"] == "v0.5.5"
     assert set(st["activated_by"]) >= {"sitecustomize"}
-    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix"]
+    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix", "swap_blocks"]
     assert "vllm-bi100-patch active: vLLM 0.6.3+corex.3.2.3" in log
 
 
@@ -172,3 +172,13 @@ def test_doctor_on_the_standin_shows_the_vendor_profile():
     assert "[info] route: max_seq_len <= 32768: native V1" in out
     assert "[info] route: max_seq_len > 32768: pure-PyTorch decode (no V2)" in out
     assert "verdict: WILL patch vLLM 0.6.3+corex.3.2.3 (family v0.5.5)" in out
+
+
+def test_swapped_out_blocks_come_back_bit_identical():
+    report, log = probe("blocks")
+    assert report["bit_identical"] is True
+    st = report["status"]
+    assert "swap_blocks" in st["report"]["applied"]
+    # The fake ixformer has copy_blocks (whether 3.2.3's does is not documented): not needed.
+    assert st["report"]["skipped"]["copy_blocks"].startswith("not needed")
+    assert st["counts"]["swap_blocks"] == 2

@@ -58,6 +58,60 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
          block_size, max_seq_len, alibi_slopes, kv_cache_dtype, *rest)
 '''
 
+#: The block moves of vLLM's ops: stock calls into torch.ops (never judged broken); the vendor
+#: style calls ``ixf_F.swap_blocks`` / ``ixf_F.copy_blocks`` on a module that lacks them, as
+#: CoreX 3.2.3's ``_custom_ops`` does with its ixformer.
+_BLOCK_OPS = {
+    "stock": '''
+
+def swap_blocks(src, dst, block_mapping):
+    torch.ops._C_cache_ops.swap_blocks(src, dst, block_mapping)
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    torch.ops._C_cache_ops.copy_blocks(key_caches, value_caches, block_mapping)
+''',
+    "vendor": '''
+import types as _types
+
+ixf_F = _types.ModuleType("ixformer.functions")  # an ixformer without the two functions
+
+
+def swap_blocks(src, dst, block_mapping):
+    ixf_F.swap_blocks(src, dst, block_mapping)
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    ixf_F.copy_blocks(key_caches, value_caches, block_mapping)
+''',
+}
+
+#: PagedAttention.swap_blocks / copy_blocks, as in every official wheel 0.5.x - 0.11.x.
+_BLOCK_METHODS = """
+    @staticmethod
+    def swap_blocks(
+        src_kv_cache: torch.Tensor,
+        dst_kv_cache: torch.Tensor,
+        src_to_dst: torch.Tensor,
+    ) -> None:
+        src_key_cache = src_kv_cache[0]
+        dst_key_cache = dst_kv_cache[0]
+        ops.swap_blocks(src_key_cache, dst_key_cache, src_to_dst)
+
+        src_value_cache = src_kv_cache[1]
+        dst_value_cache = dst_kv_cache[1]
+        ops.swap_blocks(src_value_cache, dst_value_cache, src_to_dst)
+
+    @staticmethod
+    def copy_blocks(
+        kv_caches: List[torch.Tensor],
+        src_to_dists: torch.Tensor,
+    ) -> None:
+        key_caches = [kv_cache[0] for kv_cache in kv_caches]
+        value_caches = [kv_cache[1] for kv_cache in kv_caches]
+        ops.copy_blocks(key_caches, value_caches, src_to_dists)
+"""
+
 _PREFIX_PREFILL = '''
 """Stands in for vLLM's Triton module: importing it is recorded, running it is an error."""
 import os
@@ -231,7 +285,7 @@ def paged_attn_source(family: versions.Family, guarded_import: bool = True,
         f'"""Fake paged_attn ({family.name})."""',
         "from __future__ import annotations  # the fake does not import torch",
         "",
-        "from typing import Optional",
+        "from typing import List, Optional",
         "",
         "from vllm import _custom_ops as ops",
         triton_import,
@@ -255,13 +309,14 @@ def paged_attn_source(family: versions.Family, guarded_import: bool = True,
         '        STOCK_CALLS.append("forward_prefix")',
         f"        context_attention_fwd({_first_arg(prefix)})",
         '        return "stock-prefix"',
-        "",
+        _BLOCK_METHODS,
     ]
     return "\n".join(lines)
 
 
 def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] = None,
-                    with_methods: bool = True, **source_options: object) -> str:
+                    with_methods: bool = True, block_ops: str = "stock",
+                    **source_options: object) -> str:
     """Create ``root/vllm`` and ``root/vllm-VERSION.dist-info``; returns root."""
     fam = family or versions.family_for(versions.VersionInfo(version)) or versions.FAMILIES[-1]
     ops_dir = os.path.join(root, "vllm", "attention", "ops")
@@ -270,7 +325,7 @@ def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] =
         os.path.join(root, "vllm", "__init__.py"): f'__version__ = "{version}"\n',
         os.path.join(root, "vllm", "attention", "__init__.py"): "",
         os.path.join(ops_dir, "__init__.py"): "",
-        os.path.join(root, "vllm", "_custom_ops.py"): _OPS,
+        os.path.join(root, "vllm", "_custom_ops.py"): _OPS + _BLOCK_OPS[block_ops],
         os.path.join(ops_dir, "prefix_prefill.py"): _PREFIX_PREFILL,
         os.path.join(ops_dir, "paged_attn.py"): (
             paged_attn_source(fam, guarded_import=True, **source_options)  # type: ignore[arg-type]

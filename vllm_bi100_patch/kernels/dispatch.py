@@ -27,13 +27,13 @@ The patch layer calls ``decode`` with the arguments vLLM passed to
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .._log import log
 from . import native
 from ._common import ScaleLike, ceil_div
 from .decode import paged_decode
@@ -52,7 +52,7 @@ __all__ = [
     "v1_limit",
 ]
 
-logger = logging.getLogger("vllm.bi100_patch")
+logger = log
 
 #: Head sizes vLLM's native paged-attention kernels are instantiated for.
 NATIVE_HEAD_SIZES: Tuple[int, ...] = (64, 80, 96, 112, 120, 128, 192, 256)

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import logging
 import textwrap
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .._log import log
 
 __all__ = [
     "KernelProfile",
@@ -44,7 +45,6 @@ __all__ = [
     "kv_heads_of",
 ]
 
-logger = logging.getLogger("vllm.bi100_patch")
 
 _TAIL = ("alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale", "tp_rank",
          "blocksparse_local_blocks", "blocksparse_vert_stride", "blocksparse_block_size",
@@ -255,7 +255,7 @@ class NativeOps:
             if prof.absent_reason is not None:
                 return
             prof.absent_reason = reason
-        logger.warning("vllm-bi100-patch: native %s is unavailable in this build: %s; decode "
+        log.warning("vllm-bi100-patch: native %s is unavailable in this build: %s; decode "
                        "no longer routes to it in this process", prof.name, reason)
 
     def describe(self) -> Dict[str, str]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import logging
 import os
 import sys
 import threading
@@ -44,15 +43,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .. import config, hardware
+from .._log import log
 from ..kernels import paged_prefix
 from ..kernels import dispatch  # a submodule, not in kernels.__all__
 from ..versions import Family
 
-log = logging.getLogger("vllm.bi100_patch")
 
 Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
 
-CALL_COUNTS: Dict[str, int] = {"forward_decode": 0, "forward_prefix": 0}
+CALL_COUNTS: Dict[str, int] = {"forward_decode": 0, "forward_prefix": 0, "swap_blocks": 0,
+                               "copy_blocks": 0}
 _counts_lock = threading.Lock()
 
 

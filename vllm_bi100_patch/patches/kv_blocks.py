@@ -1,0 +1,95 @@
+"""Replacements for ``PagedAttention.swap_blocks`` and ``copy_blocks`` on builds that cannot.
+
+Catalogue entries: rows ``swap_blocks`` and ``copy_blocks`` of ``vllm_bi100_patch.table``.
+
+Iluvatar's CoreX 3.2.3 build routes both through ``ixformer.functions`` names its ixformer does
+not define (``docs/corex-3.2.3.md``).  The rows are conditional: ``swap_needed`` /
+``copy_needed`` read the source of the build's ``ops.swap_blocks`` / ``ops.copy_blocks`` once,
+at patch time, and report the patch as needed only when that function calls
+``<module>.<name>(...)`` on a module global that has no such name.  Stock vLLM's ops (calls into
+``torch.ops``) are never judged broken, so stock builds keep their native block moves.
+Imported only once vLLM's ``paged_attn`` is; never imports vLLM itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .. import config
+from ..kernels import blocks
+from ..versions import Family
+from .paged_attention import ArgReader, Wrapper, _count
+
+SWAP_PARAMS = ("src_kv_cache", "dst_kv_cache", "src_to_dst")
+COPY_PARAMS = ("kv_caches", "src_to_dists")
+
+
+def missing_call(func: Callable[..., Any]) -> Optional[str]:
+    """``"module.name"`` when ``func`` calls ``X.name(...)`` where ``X`` is one of its module
+    globals bound to a module that has no attribute ``name``; None otherwise (also when the
+    source cannot be read)."""
+    try:
+        inner = inspect.unwrap(func)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+        globals_ = inner.__globals__
+    except (OSError, TypeError, SyntaxError, ValueError, AttributeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name):
+            target = globals_.get(node.func.value.id)
+            if isinstance(target, types.ModuleType) and not hasattr(target, node.func.attr):
+                return f"{target.__name__}.{node.func.attr}"
+    return None
+
+
+def _needed(module: types.ModuleType, op: str) -> Optional[str]:
+    ops = vars(module).get("ops")
+    func = getattr(ops, op, None) if ops is not None else None
+    if func is None:
+        return f"{module.__name__} binds no ops.{op}: nothing to replace"
+    missing = missing_call(func)
+    if missing is None:
+        return f"the build's ops.{op} calls only functions that exist"
+    return None
+
+
+def swap_needed(module: types.ModuleType) -> Optional[str]:
+    """None when this build's ``ops.swap_blocks`` cannot work, else why the patch is not
+    needed."""
+    return _needed(module, "swap_blocks")
+
+
+def copy_needed(module: types.ModuleType) -> Optional[str]:
+    """None when this build's ``ops.copy_blocks`` cannot work, else why not needed."""
+    return _needed(module, "copy_blocks")
+
+
+def make_swap_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
+                      settings: config.Settings) -> Wrapper:
+    reader = ArgReader.for_function(original, SWAP_PARAMS, "swap_blocks")
+
+    def swap_blocks(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any]) -> None:
+        src, dst, mapping = reader.read(args, kwargs)
+        _count("swap_blocks")
+        blocks.swap_blocks(src, dst, mapping)
+
+    return swap_blocks
+
+
+def make_copy_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
+                      settings: config.Settings) -> Wrapper:
+    reader = ArgReader.for_function(original, COPY_PARAMS, "copy_blocks")
+
+    def copy_blocks(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any]) -> None:
+        kv_caches, mapping = reader.read(args, kwargs)
+        _count("copy_blocks")
+        blocks.copy_blocks(kv_caches, mapping)
+
+    return copy_blocks

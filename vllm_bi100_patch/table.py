@@ -1,0 +1,191 @@
+"""Every patch the shim can apply, as data: one row per patch, catalogue entry included.
+
+Adding a patch is one row here plus its factory (and, for a conditional patch, its ``when``
+check) in ``patches/``.  Everything else is derived from this table: the names accepted in
+``VLLM_BI100_PATCH_DISABLE`` (``config``), the modules the bootstrap hooks (``_bootstrap``), the
+code checks and the all-or-nothing apply/revert (``registry``), ``doctor``'s checks and the
+README's catalogue (``scripts/readme_tables.py``).
+
+Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch, no vLLM.
+
+Row fields:
+
+- ``name``: the patch's name in ``VLLM_BI100_PATCH_DISABLE``, logs and ``status()``.
+- ``kind``: ``"wrap_method"`` (a staticmethod replaced by a wrapt wrapper, exact revert) or
+  ``"guard_import"`` (a ``sys.meta_path`` finder serves a refusing substitute module).
+- ``target``: ``"module:Class.attr"`` for a method, ``"module"`` for an import guard (wrapt's
+  "module:attribute" style).
+- ``params``: the code check, for a method: ``"family:<Family attribute>"`` (the parameter
+  names depend on the vLLM signature family) or ``"names:a,b,c"`` (the same in every family).
+- ``factory``: ``"module:function"`` building the wrapper (``factory(family, original, module,
+  settings)``), or installing the guard.
+- ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module)``
+  returns None when the patch is needed in this build, else why not (the patch is then skipped,
+  which is not a failure).
+- ``why``, ``how``, ``vllm``, ``upstream``, ``removal``: the catalogue entry.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # read at interpreter start: keep it bare
+if TYPE_CHECKING:
+    from typing import Optional, Tuple
+
+WRAP_METHOD = "wrap_method"
+GUARD_IMPORT = "guard_import"
+
+
+class Patch:
+    """One row of the table (read-only by convention)."""
+
+    __slots__ = ("name", "kind", "target", "params", "factory", "when", "why", "how", "vllm",
+                 "upstream", "removal")
+
+    def __init__(self, name: str, kind: str, target: str, factory: str, *, why: str, how: str,
+                 vllm: str, upstream: str, removal: str, params: Optional[str] = None,
+                 when: Optional[str] = None) -> None:
+        self.name, self.kind, self.target, self.factory = name, kind, target, factory
+        self.params, self.when = params, when
+        self.why, self.how, self.vllm, self.upstream, self.removal = (why, how, vllm, upstream,
+                                                                      removal)
+
+    @property
+    def module(self) -> str:
+        """The module the patch targets (hooked at import by the bootstrap)."""
+        return self.target.split(":", 1)[0]
+
+    @property
+    def owner(self) -> str:
+        """``Class`` of ``module:Class.attr`` (methods only)."""
+        return self.target.split(":", 1)[1].rsplit(".", 1)[0]
+
+    @property
+    def attr(self) -> str:
+        """``attr`` of ``module:Class.attr`` (methods only)."""
+        return self.target.rsplit(".", 1)[1]
+
+    def __repr__(self) -> str:
+        return f"Patch({self.name!r}, {self.kind!r}, {self.target!r})"
+
+
+PAGED_ATTN = "vllm.attention.ops.paged_attn"
+_ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
+
+PATCHES: Tuple[Patch, ...] = (
+    Patch(
+        "import_guard", GUARD_IMPORT, "vllm.attention.ops.prefix_prefill",
+        "vllm_bi100_patch.import_guard:install",
+        why="its Triton kernel `context_attention_fwd` (chunked prefill, prefix caching) hangs "
+            "the BI-V100 card until reboot; from vLLM 0.6.5 importing the module also queries "
+            "the device",
+        how="a `sys.meta_path` finder installed first at activation serves a substitute module "
+            "whose `context_attention_fwd` raises `TritonPrefixBlocked` naming the caller; "
+            "names already bound to the real kernel are re-pointed (and restored on revert)",
+        vllm="0.5.0 – 0.11.2 (imported by paged_attn.py, and by "
+             "chunked_prefill_paged_decode.py from 0.8.0)",
+        upstream="no fix; Iluvatar's stack has no working Triton for this kernel",
+        removal="drop the row once Iluvatar ships a Triton that runs the kernel"),
+    Patch(
+        "decode", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_decode",
+        "vllm_bi100_patch.patches.paged_attention:make_decode_wrapper",
+        params="family:decode_params",
+        why="the native `paged_attention_v1` keeps a whole sequence's logits in shared memory "
+            "and hangs BI-V100 above 32,768 tokens; Iluvatar's build forces V1, stubs V2 and "
+            "takes other arguments than stock vLLM",
+        how="reads the family's arguments by name and calls `kernels.dispatch.decode`: the "
+            "native kernels as the installed build defines them, where they exist and are "
+            "safe (V1 within its length limit, the BI-V100 occupancy rule between V1 and V2), "
+            "else the pure-PyTorch `paged_decode`",
+        vllm=_ALL_FAMILIES,
+        upstream="none; the method is gone in 0.12.0 (V0 engine removed)",
+        removal="when Iluvatar's build fixes long-context V1 and its dispatch"),
+    Patch(
+        "prefix", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_prefix",
+        "vllm_bi100_patch.patches.paged_attention:make_prefix_wrapper",
+        params="family:prefix_params",
+        why="the stock method launches the Triton `context_attention_fwd`, which hangs "
+            "BI-V100 (on CoreX 3.2.3 it is not even imported: `NameError`)",
+        how="always the pure-PyTorch `paged_prefix`, tiled under `VLLM_BI100_PREFIX_BUDGET_MB`; "
+            "`context_lens` derived where the family lacks it, `\"auto\"`/1.0 where it lacks "
+            "`kv_cache_dtype`/scales",
+        vllm=_ALL_FAMILIES,
+        upstream="none; gone in 0.12.0",
+        removal="when a Triton that runs `context_attention_fwd` ships on CoreX"),
+    Patch(
+        "swap_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.swap_blocks",
+        "vllm_bi100_patch.patches.kv_blocks:make_swap_wrapper",
+        params="names:src_kv_cache,dst_kv_cache,src_to_dst",
+        when="vllm_bi100_patch.patches.kv_blocks:swap_needed",
+        why="CoreX 3.2.3's `_custom_ops.swap_blocks` calls `ixformer.functions.swap_blocks`, "
+            "which its ixformer lacks: the first preemption by swapping (n > 1, beam search "
+            "under memory pressure) crashes the server",
+        how="only where the build's ops call a function their module does not define: KV "
+            "blocks move with `index_select`/`index_copy_` in bounded chunks "
+            "(`kernels.blocks.swap_blocks`), bit-exact",
+        vllm=_ALL_FAMILIES + "; applied only on builds whose ops cannot swap",
+        upstream="Iluvatar's build; ixformer has `vllm_swap_blocks(src, dst, mapping)` taking "
+                 "a dict instead",
+        removal="when Iluvatar's `_custom_ops.swap_blocks` calls a function ixformer has"),
+    Patch(
+        "copy_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.copy_blocks",
+        "vllm_bi100_patch.patches.kv_blocks:make_copy_wrapper",
+        params="names:kv_caches,src_to_dists",
+        when="vllm_bi100_patch.patches.kv_blocks:copy_needed",
+        why="CoreX 3.2.3's `_custom_ops.copy_blocks` calls `ixformer.functions.copy_blocks`; "
+            "where an ixformer lacks it (the public listing of 3.2.3's `ixformer` shows only "
+            "`vllm_copy_cache`), copy-on-write of a shared block (parallel sampling, beam "
+            "search) crashes the server",
+        how="only where the build's ops call a function their module does not define: "
+            "`kernels.blocks.copy_blocks` in every layer's cache",
+        vllm=_ALL_FAMILIES + "; applied only on builds whose ops cannot copy",
+        upstream="Iluvatar's build",
+        removal="when Iluvatar's `_custom_ops.copy_blocks` calls a function ixformer has"),
+)
+
+
+def names() -> Tuple[str, ...]:
+    """Every patch name, in table order (``VLLM_BI100_PATCH_DISABLE`` accepts these)."""
+    return tuple(p.name for p in PATCHES)
+
+
+def methods() -> Tuple[Patch, ...]:
+    return tuple(p for p in PATCHES if p.kind == WRAP_METHOD)
+
+
+def guards() -> Tuple[Patch, ...]:
+    return tuple(p for p in PATCHES if p.kind == GUARD_IMPORT)
+
+
+def hooked_modules() -> Tuple[str, ...]:
+    """The distinct modules whose import triggers patching, in table order."""
+    out = []
+    for p in methods():
+        if p.module not in out:
+            out.append(p.module)
+    return tuple(out)
+
+
+def by_name(name: str) -> Patch:
+    for p in PATCHES:
+        if p.name == name:
+            return p
+    raise KeyError(name)
+
+
+def resolve(path: str) -> object:
+    """Import ``"module:attribute"`` and return the attribute."""
+    import importlib
+
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def catalogue() -> str:
+    """The README's catalogue of patches, generated from the table."""
+    rows = ["| patch | target | why | how | vLLM | upstream | removal |",
+            "|---|---|---|---|---|---|---|"]
+    for p in PATCHES:
+        kind = "import guard" if p.kind == GUARD_IMPORT else "method"
+        rows.append(f"| `{p.name}` ({kind}) | `{p.target}` | {p.why} | {p.how} | {p.vllm} | "
+                    f"{p.upstream} | {p.removal} |")
+    return "\n".join(rows)
