@@ -1,7 +1,7 @@
 """Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, and three real
 vLLM releases from different signature families. ``nox -s matrix`` runs every release line.
 
-Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env.py,
+Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env/,
 docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
 """
 
