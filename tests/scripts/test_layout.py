@@ -68,3 +68,23 @@ def test_an_empty_selection_fails_the_run():
     assert "success_codes" not in _read(os.path.join(ROOT, "noxfile.py"))
     ci = _read(os.path.join(ROOT, ".ci", "run"))
     assert "set -euo pipefail" in ci and re.search(r"^[^#]*python3 -m nox\s*$", ci, re.M)
+
+
+def test_corex_standin_never_writes_through_a_hard_link(tmp_path):
+    """tests/corex/standin.py edits installed vLLM files that uv hard-links to its cache: an
+    in-place write would turn the cached official wheel (and every venv made from it) into the
+    stand-in."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_standin_under_test", os.path.join(ROOT, "tests", "corex", "standin.py"))
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    cached = tmp_path / "cache-METADATA"
+    cached.write_text("Version: 0.6.3.post1\n")
+    installed = tmp_path / "METADATA"
+    os.link(cached, installed)
+    standin._write(str(installed), "Version: 0.6.3+corex.3.2.3\n")
+    assert installed.read_text() == "Version: 0.6.3+corex.3.2.3\n"
+    assert cached.read_text() == "Version: 0.6.3.post1\n"
+    assert os.stat(cached).st_nlink == 1
