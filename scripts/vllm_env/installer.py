@@ -3,6 +3,7 @@ with the dependency releases of the vLLM release's time (package docstring)."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import glob
 import json
@@ -19,7 +20,7 @@ from typing import Iterable, List, Optional, Sequence
 from ._util import VllmEnvError, log, python_info, run, site_packages
 from .elf import fix_glibcxx
 from .releases import FAR_FUTURE, cpu_wheel_torch, exclude_newer, extra_requirements, vtuple
-from .stubs import build_pyairports_stub
+from .stubs import build_pyairports_stub, record_hash
 
 #: The local CPU torch the official wheels are installed on.
 DEFAULT_TORCH = "2.13.0"
@@ -169,6 +170,32 @@ def create_venv(venv_dir: str, python: Optional[str] = None, clear: bool = False
     return python_of(str(venv))
 
 
+def modified_files(site: Path, dist_info: str) -> List[str]:
+    """Files of an installed distribution whose bytes differ from its RECORD (missing files are
+    left to the import check): uv hard-links installed files to its cache, so a tool that once
+    edited an installed file in place has edited the cache, and every later install with it."""
+    with open(site / dist_info / "RECORD", newline="") as fh:
+        rows = [r for r in csv.reader(fh) if len(r) == 3 and r[1].startswith("sha256=")]
+    bad = []
+    for path, digest, _ in rows:
+        full = site / path
+        if full.is_file() and record_hash(full.read_bytes()) != digest:
+            bad.append(path)
+    return bad
+
+
+def _check_installed(python: str, package: str, version: str) -> None:
+    norm = package.replace("-", "_")
+    for sp in site_packages(python):
+        for dist_info in glob.glob(str(sp / f"{norm}-{version}.dist-info")):
+            bad = modified_files(sp, os.path.basename(dist_info))
+            if bad:
+                raise VllmEnvError(
+                    f"{package}=={version} as installed differs from its RECORD in {len(bad)} "
+                    f"files ({bad[:5]}): uv's cache holds modified copies; run "
+                    f"`uv cache clean {package}` and install again")
+
+
 def _remove_core_c(python: str) -> List[str]:
     removed = []
     for sp in site_packages(python):
@@ -239,6 +266,7 @@ def install(version: str, python_or_venv: str, extra_packages: Sequence[str] = (
         run(p.command(uv, python, overrides, excludes), f"install {p.package}=={version}",
             timeout=timeout)
         log(f"installed {p.package}=={version} in {time.perf_counter() - t0:.1f} s")
+        _check_installed(python, p.package, version)
 
         if cpu_wheel:
             for change in fix_glibcxx(python):

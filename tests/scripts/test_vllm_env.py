@@ -344,3 +344,20 @@ def test_noxfile_import_style_finds_the_package():
                          timeout=60, cwd="/", env=dict(os.environ, PYTHONPATH=""))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [os.path.join(SCRIPTS, "vllm_env", "__init__.py"), "vllm_env.installer"]
+
+
+def test_modified_files_finds_an_edited_installed_file(tmp_path):
+    site = tmp_path / "site"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg-1.0.dist-info").mkdir()
+    files = {"pkg/__init__.py": b"x = 1\n", "pkg/other.py": b"y = 2\n"}
+    rows = []
+    for path, data in files.items():
+        (site / path).write_bytes(data)
+        rows.append(f"{path},{stubs.record_hash(data)},{len(data)}")
+    rows.append("pkg-1.0.dist-info/RECORD,,")
+    (site / "pkg-1.0.dist-info" / "RECORD").write_text("\n".join(rows) + "\n")
+    assert installer.modified_files(site, "pkg-1.0.dist-info") == []
+    (site / "pkg" / "other.py").write_bytes(b"y = 3\n")
+    (site / "pkg" / "__init__.py").unlink()  # removed on purpose (e.g. _core_C): not reported
+    assert installer.modified_files(site, "pkg-1.0.dist-info") == ["pkg/other.py"]
