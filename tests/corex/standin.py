@@ -48,8 +48,15 @@ def _read(path: str) -> str:
 
 
 def _write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
+    """Replace ``path`` by a new file (new inode), never write through it: uv hard-links the
+    files it installs to its cache, so an in-place write would edit the cached official wheel
+    and every venv installed from it."""
+    tmp = f"{path}.standin.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
+    if os.path.exists(path):
+        shutil.copymode(path, tmp)
+    os.replace(tmp, path)
 
 
 def _replace_once(text: str, old: str, new: str, where: str) -> str:

