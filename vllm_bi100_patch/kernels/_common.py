@@ -223,19 +223,37 @@ def gather_keys(key_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, block
     return out.view(num_seqs, kv_heads, tokens, spec.head_size)
 
 
+def _zero_hidden(raw: torch.Tensor, hidden: Optional[torch.Tensor], num_seqs: int,
+                 blocks: int, spec: CacheSpec) -> None:
+    """Zero, in place, the gathered value slots at ``hidden`` positions (``[num_seqs, tokens]``).
+
+    A probability of exactly 0 does not cancel a NaN or inf value (``0 * nan = nan``), so
+    value slots nobody attends to (past a sequence's end, padding blocks, uninitialised fp8
+    bytes) are zeroed before the P.V product; a stored 0 byte is +0.0 in every dtype.
+    """
+    if hidden is not None:
+        raw.view(num_seqs, blocks, spec.num_kv_heads, spec.head_size, spec.block_size)\
+            .masked_fill_(hidden.view(num_seqs, blocks, 1, 1, spec.block_size), 0)
+
+
 def gather_values_blocks(value_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int,
-                         blocks: int, spec: CacheSpec) -> torch.Tensor:
-    """Values in the native block layout as float32 ``[num_seqs, blocks, kv_heads, D, bs]``."""
+                         blocks: int, spec: CacheSpec,
+                         hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Values in the native block layout as float32 ``[num_seqs, blocks, kv_heads, D, bs]``;
+    slots where ``hidden`` (``[num_seqs, blocks * bs]``) is true are zero."""
     raw = value_cache.index_select(0, ids)
+    _zero_hidden(raw, hidden, num_seqs, blocks, spec)
     return to_float(raw, spec).to(torch.float32).view(
         num_seqs, blocks, spec.num_kv_heads, spec.head_size, spec.block_size)
 
 
 def gather_values(value_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, blocks: int,
-                  spec: CacheSpec) -> torch.Tensor:
-    """Values as float32 ``[num_seqs, kv_heads, tokens, D]`` (gather, transpose, convert)."""
+                  spec: CacheSpec, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Values as float32 ``[num_seqs, kv_heads, tokens, D]`` (gather, transpose, convert);
+    slots where ``hidden`` (``[num_seqs, blocks * bs]``) is true are zero."""
     kv_heads, block_size, head_size = spec.num_kv_heads, spec.block_size, spec.head_size
     raw = value_cache.index_select(0, ids)
+    _zero_hidden(raw, hidden, num_seqs, blocks, spec)
     out = torch.empty((num_seqs, kv_heads, blocks, block_size, head_size),
                       dtype=torch.float32, device=raw.device)
     out.copy_(to_float(raw, spec).view(num_seqs, blocks, kv_heads, head_size, block_size)

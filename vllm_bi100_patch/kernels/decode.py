@@ -101,7 +101,10 @@ def paged_decode(
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in the query's dtype; zeros for sequences of
-        length 0.  Inputs are never modified.
+        length 0.  Cache slots no token attends to (past ``seq_lens``, blocks behind
+        padding columns) never reach the output, whatever they hold (NaN, inf,
+        uninitialised fp8 bytes): their scores are masked and their values zeroed.
+        Inputs are never modified.
 
     Raises:
         ValueError: shapes, dtypes or head counts that disagree; for CPU tensors also a
@@ -134,9 +137,12 @@ def paged_decode(
         width = min(ceil_div(max_seq_len, block_size), table_width)
     else:
         width = table_width
+    # Positions below ``shortest`` are inside every sequence: tiles that end there need no
+    # value zeroing. Known for free on CPU; on devices reading it would sync, so 0.
+    shortest = 0
     if query.device.type == "cpu":
-        _check_values_cpu(block_tables, seq_lens, width, block_size, spec.num_blocks,
-                          max_seq_len)
+        shortest = _check_values_cpu(block_tables, seq_lens, width, block_size,
+                                     spec.num_blocks, max_seq_len)
 
     out = torch.zeros_like(query)
     if num_seqs == 0 or width == 0:
@@ -189,7 +195,9 @@ def paged_decode(
         if slopes is not None and last_pos is not None:
             scores.add_(slopes * (pos.to(torch.float32).view(1, 1, 1, tokens) - last_pos))
         beyond = pos.unsqueeze(0) >= seq_lens_i.unsqueeze(1)  # [num_seqs, tokens]
+        # masked_fill (not an additive mask) also replaces NaN/inf scores of unused keys.
         scores.masked_fill_(beyond.view(num_seqs, 1, 1, tokens), -math.inf)
+        hidden = beyond if (w0 + n) * block_size > shortest else None
 
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
@@ -202,12 +210,12 @@ def paged_decode(
         if blockwise_values:
             # Per block: [group, bs] @ [bs, D] against the native [D, bs] block (a
             # transposed view, no copy), then sum the blocks of the tile.
-            values = gather_values_blocks(value_cache, ids, num_seqs, n, spec)
+            values = gather_values_blocks(value_cache, ids, num_seqs, n, spec, hidden)
             p_blocks = probs.view(num_seqs, kv_heads, group, n, block_size).permute(
                 0, 3, 1, 2, 4)
             acc.add_(torch.matmul(p_blocks, values.transpose(-1, -2)).sum(dim=1))
         else:
-            values = gather_values(value_cache, ids, num_seqs, n, spec)
+            values = gather_values(value_cache, ids, num_seqs, n, spec, hidden)
             acc.view(num_seqs * kv_heads, group, head_size).baddbmm_(
                 probs.view(num_seqs * kv_heads, group, tokens),
                 values.view(num_seqs * kv_heads, tokens, head_size))
@@ -222,10 +230,12 @@ def paged_decode(
 
 
 def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int,
-                      block_size: int, num_blocks: int, max_seq_len: Optional[int]) -> None:
-    """Value checks that are free on CPU tensors (skipped on devices: they would sync)."""
+                      block_size: int, num_blocks: int, max_seq_len: Optional[int]) -> int:
+    """Value checks that are free on CPU tensors (skipped on devices: they would sync).
+
+    Returns the shortest sequence length (0 for an empty batch)."""
     if seq_lens.numel() == 0:
-        return
+        return 0
     longest = int(seq_lens.max())
     shortest = int(seq_lens.min())
     if shortest < 0:
@@ -239,7 +249,7 @@ def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width:
             f"{block_tables.shape[1]} columns")
     needed = ceil_div(longest, block_size)
     if needed == 0:
-        return
+        return shortest
     used = (torch.arange(needed).unsqueeze(0) * block_size
             < seq_lens.to(torch.int64).unsqueeze(1))
     ids = block_tables[:, :needed].to(torch.int64)
@@ -249,3 +259,4 @@ def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width:
         raise ValueError(
             f"block_tables[{row}, {col}] = {int(ids[row, col])} is out of range for a cache "
             f"of {num_blocks} blocks")
+    return shortest
