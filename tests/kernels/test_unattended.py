@@ -86,7 +86,7 @@ def _decode_case(dtype, kv_cache_dtype="auto", block_size=16, width=6, seed=0):
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_seq_len", [None, 50, 96])
-def test_decode_ignores_unused_slots(poison, dtype, max_seq_len, layout):
+def test_decode_ignores_unused_slots(poison, dtype, max_seq_len, formulation):
     q, kc, vc, bt, sl, used, g = _decode_case(dtype)
     kw = {"max_seq_len": max_seq_len, "alibi_slopes": torch.rand(8) if dtype != torch.float16
           else None}
@@ -101,7 +101,7 @@ def test_decode_ignores_unused_slots(poison, dtype, max_seq_len, layout):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_decode_fp8_random_bytes_in_unused_slots(kv_cache_dtype, layout):
+def test_decode_fp8_random_bytes_in_unused_slots(kv_cache_dtype, formulation):
     if not fp8_available(kv_cache_dtype):
         pytest.skip("torch has no float8 dtypes")
     q, kc, vc, bt, sl, used, g = _decode_case(torch.bfloat16, kv_cache_dtype)
@@ -114,7 +114,7 @@ def test_decode_fp8_random_bytes_in_unused_slots(kv_cache_dtype, layout):
     assert out.isfinite().all() and not out[0].any()
 
 
-def test_decode_all_sequences_empty_on_poisoned_cache(layout):
+def test_decode_all_sequences_empty_on_poisoned_cache(formulation):
     q, kc, vc, bt, _, used, g = _decode_case(torch.float32)
     pk, pv = _poison(kc, vc, torch.zeros_like(used), math.nan, g)  # every slot NaN
     sl = torch.zeros(q.shape[0], dtype=torch.int32)
@@ -142,7 +142,7 @@ def _prefix_case(dtype, kv_cache_dtype="auto", block_size=16, seed=0):
 
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefix_ignores_unused_slots(poison, window, path, layout):
+def test_prefix_ignores_unused_slots(poison, window, path, formulation):
     args, used, g = _prefix_case(torch.bfloat16)
     clean = paged_prefix(*args, sliding_window=window)
     pk, pv = _poison(args[3], args[4], used, poison, g)
