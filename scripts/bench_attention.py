@@ -15,7 +15,9 @@ Prints one table (medians of interleaved repeats, all measured side by side in t
   takes;
 
 - dense SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V laid
-  out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa``; prefix with a
+  out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa`` where torch has it,
+  else K/V repeated per query head; on GPUs the prefix case always repeats them, so that the
+  boolean mask runs on the memory-efficient backend rather than the math one; prefix with a
   bottom-right causal mask);
 - seed: ``scripts/seed_baseline.py`` (Python loop per sequence, ``.item()`` per sequence,
   permute+contiguous gather, float32 upcast, online softmax tiles);
@@ -99,6 +101,23 @@ def make_paged(lens: Sequence[int], dtype: torch.dtype, device: str, seed: int =
     keys = keys[:, :, :longest].contiguous()
     values = values[:, :, :longest].contiguous()
     return (kc.to(device), vc.to(device), tables.to(device), keys.to(device), values.to(device))
+
+
+#: torch >= 2.5: ``scaled_dot_product_attention(..., enable_gqa=True)``.
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: float, expand: bool) -> Fn:
+    """Dense SDPA over contiguous ``[batch, kv_heads, tokens, head]`` K/V: with
+    ``enable_gqa``, or (``expand``) on K/V repeated per query head beforehand."""
+    if expand:
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).contiguous()
+        v = v.repeat_interleave(group, dim=1).contiguous()
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True)
 
 
 # --- native vLLM kernels (optional) -----------------------------------------------------
@@ -197,7 +216,7 @@ def formulation(kind: str, fn: Fn) -> Fn:
         return fn
 
     def run() -> Any:
-        saved = (prefix.FORCE_PATH, _common.FORCE_LAYOUT, _common.FORCE_COMPUTE)
+        saved = (prefix.FORCE_PATH, _common.FORCE_LAYOUT, getattr(_common, "FORCE_COMPUTE", None))
         prefix.FORCE_PATH = "tiled"
         if kind == "gpu":
             _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = "generic", "native"
@@ -223,8 +242,7 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: A
     fns: Dict[str, Fn] = {
         "paged": formulation(kind, lambda: paged_decode(q, kc, vc, bt, sl, scale,
                                                         max_seq_len=ctx)),
-        "sdpa": lambda: F.scaled_dot_product_attention(qd, keys, values, scale=scale,
-                                                       enable_gqa=True),
+        "sdpa": dense_sdpa(qd, keys, values, None, scale, expand=not SDPA_GQA),
         "seed": lambda: seed_decode(q, kc, vc, bt, sl, scale),
     }
     if ops is not None:
@@ -260,8 +278,8 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
     mask = torch.ones(new, ctx + new, dtype=torch.bool, device=device).tril(ctx)
     fns: Dict[str, Fn] = {
         "paged": formulation(kind, lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl)),
-        "sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                       enable_gqa=True),
+        "sdpa": dense_sdpa(qd, kd, vd, mask, HEAD_SIZE ** -0.5,
+                           expand=not SDPA_GQA or not device.startswith("cpu")),
         "seed": lambda: seed_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
     }
     ref = fns["sdpa"]().transpose(1, 2).reshape(batch * new, HEADS, HEAD_SIZE).float()
@@ -293,6 +311,40 @@ def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
             f"{r.get('peak_paged', 0) / 2**20:.1f} / {r.get('peak_seed', 0) / 2**20:.1f} | "
             f"{r['max_abs_err_vs_sdpa']:.1e} |")
     return "\n".join(out)
+
+
+def targets(rows: List[Dict[str, Any]], bandwidth: float, gpu: bool) -> List[str]:
+    """One line per target of the kernels issue, with the measured ratios."""
+    def ratio_line(name: str, pick: Callable[[Dict[str, Any]], bool],
+                   limits: Sequence[Tuple[str, str, float]]) -> str:
+        parts, ok = [], True
+        for r in (r for r in rows if pick(r)):
+            vals = []
+            for label, key, limit in limits:
+                if key == "seed":
+                    v = r["seed"] / r["paged"]
+                    ok &= v >= limit
+                elif key == "bw":
+                    v = r["kv_bytes"] / r["paged"] / bandwidth
+                    ok &= v >= limit
+                else:
+                    v = r["paged"] / r["sdpa"]
+                    ok &= v <= limit
+                vals.append(f"{label} {v:.2f}")
+            parts.append(f"{r['case']}: {', '.join(vals)}")
+        return f"target {name}: {'met' if ok else 'MISSED'} ({'; '.join(parts)})"
+
+    if gpu:
+        return [ratio_line("decode KV read >= 30% of copy bandwidth",
+                           lambda r: r["kind"] == "decode", [("bw share", "bw", 0.30)]),
+                ratio_line("tiled prefix <= 2x dense SDPA",
+                           lambda r: r["kind"] == "prefix", [("x SDPA", "sdpa", 2.0)])]
+    return [ratio_line("decode <= 1.0x dense SDPA",
+                       lambda r: r["case"].startswith("decode") and r["case"].count(" ") == 1,
+                       [("x SDPA", "sdpa", 1.0)]),
+            ratio_line("tiled prefix, GPU formulation, <= 1.2x SDPA and >= 2x seed",
+                       lambda r: r["case"].endswith(" gpu") and r["kind"] == "prefix",
+                       [("x SDPA", "sdpa", 1.2), ("seed/paged", "seed", 2.0)])]
 
 
 def plot(curve: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
@@ -375,6 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
              for b, c, n in prefix_cases for k in ["default"] + (["tiled", "gpu"] if extra else [])]
     print(table(rows, bandwidth))
+    for line in targets(rows, bandwidth, gpu):
+        print(line)
     sys.stdout.flush()
 
     curve: List[Dict[str, Any]] = []
