@@ -10,9 +10,9 @@ Prints one table (medians of interleaved repeats, all measured side by side in t
   path where allowed);
 - rows marked ``tiled``: the tiled prefix path in the CPU's float32 formulation (what a
   CPU runs where the SDPA path is not allowed: ALiBi, float16, over budget);
-- rows marked ``gpu``: the GPU formulation forced on CPU (tiled prefix path, K/V in the
-  query's dtype, half-precision GEMMs with float32 accumulation): the path every GPU
-  takes;
+- rows marked ``native``: the tiled prefix path with the GPU's compute mode forced (K/V
+  tiles in the query's dtype, half-precision GEMMs with float32 accumulation): the
+  algorithm and numerics every GPU runs, with this device's gather layout;
 
 - dense SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V laid
   out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa`` where torch has it,
@@ -210,20 +210,20 @@ def copy_bandwidth(device: str, repeats: int) -> float:
 
 
 def formulation(kind: str, fn: Fn) -> Fn:
-    """``fn`` run with the tiled prefix path and/or the GPU formulation forced (``kind``:
-    ``"default"``, ``"tiled"`` or ``"gpu"``)."""
+    """``fn`` run with the tiled prefix path and/or the GPU's compute mode forced (``kind``:
+    ``"default"``, ``"tiled"`` or ``"native"``)."""
     if kind == "default":
         return fn
 
     def run() -> Any:
-        saved = (prefix.FORCE_PATH, _common.FORCE_LAYOUT, getattr(_common, "FORCE_COMPUTE", None))
+        saved = (prefix.FORCE_PATH, getattr(_common, "FORCE_COMPUTE", None))
         prefix.FORCE_PATH = "tiled"
-        if kind == "gpu":
-            _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = "generic", "native"
+        if kind == "native":
+            _common.FORCE_COMPUTE = "native"
         try:
             return fn()
         finally:
-            prefix.FORCE_PATH, _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = saved
+            prefix.FORCE_PATH, _common.FORCE_COMPUTE = saved
 
     return run
 
@@ -340,10 +340,9 @@ def targets(rows: List[Dict[str, Any]], bandwidth: float, gpu: bool) -> List[str
                 ratio_line("tiled prefix <= 2x dense SDPA",
                            lambda r: r["kind"] == "prefix", [("x SDPA", "sdpa", 2.0)])]
     return [ratio_line("decode <= 1.0x dense SDPA",
-                       lambda r: r["case"].startswith("decode") and r["case"].count(" ") == 1,
-                       [("x SDPA", "sdpa", 1.0)]),
-            ratio_line("tiled prefix, GPU formulation, <= 1.2x SDPA and >= 2x seed",
-                       lambda r: r["case"].endswith(" gpu") and r["kind"] == "prefix",
+                       lambda r: r["kind"] == "decode", [("x SDPA", "sdpa", 1.0)]),
+            ratio_line("tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed",
+                       lambda r: r["case"].endswith(" native") and r["kind"] == "prefix",
                        [("x SDPA", "sdpa", 1.2), ("seed/paged", "seed", 2.0)])]
 
 
@@ -398,9 +397,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ops, native_note = find_native_ops(device)
     gpu = not device.startswith("cpu")
 
-    # (batch, context) decode cases and (batch, context, new) prefix cases, each with the
-    # formulations to run: on CPU also the GPU's (tiled prefix, half-precision GEMMs).
-    extra = [] if gpu else ["gpu"]
+    # (batch, context) decode cases and (batch, context, new) prefix cases; on CPU the
+    # prefix cases also run the tiled path, in float32 and in the GPU's compute mode.
+    extra = [] if gpu else ["tiled", "native"]
     if args.quick:
         decode_cases = [(2, 256), (1, 1024)]
         prefix_cases = [(1, 256, 64), (2, 128, 32)]
@@ -422,10 +421,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
           f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
 
-    rows = [decode_case(s, c, dtype, device, ops, repeats, kind=k)
-            for s, c in decode_cases for k in ["default"] + extra]
+    rows = [decode_case(s, c, dtype, device, ops, repeats) for s, c in decode_cases]
     rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
-             for b, c, n in prefix_cases for k in ["default"] + (["tiled", "gpu"] if extra else [])]
+             for b, c, n in prefix_cases for k in ["default"] + extra]
     print(table(rows, bandwidth))
     for line in targets(rows, bandwidth, gpu):
         print(line)

@@ -19,11 +19,11 @@ def test_bench_quick_runs(tmp_path):
     out = proc.stdout
     assert "| case | paged ms | SDPA ms | seed ms | native ms |" in out
     for case in ("decode 2x256", "decode 1x1024", "prefix 1x(256+64)", "prefix 2x(128+32)",
-                 "decode 2x256 gpu", "prefix 1x(256+64) tiled", "prefix 2x(128+32) gpu"):
+                 "prefix 1x(256+64) tiled", "prefix 2x(128+32) native"):
         assert f"| {case} |" in out
     assert "measured copy bandwidth" in out
     assert "target decode <= 1.0x dense SDPA: " in out
-    assert "target tiled prefix, GPU formulation, <= 1.2x SDPA and >= 2x seed: " in out
+    assert "target tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed: " in out
     assert (tmp_path / "results.json").exists()
     assert "plot: " in out
 
@@ -38,7 +38,7 @@ def test_gpu_kernels_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = proc.stdout[proc.stdout.index("==== gpu_kernels_check summary ===="):]
     assert "device checks on cpu: 5 passed, 0 failed, 1 skipped" in summary
-    assert "| decode 2x256 |" in summary and "| prefix 2x(128+32) gpu |" in summary
+    assert "| decode 2x256 |" in summary and "| prefix 2x(128+32) native |" in summary
     assert "target tiled prefix" in summary
     assert summary.rstrip().endswith("RESULT: PASS")
     assert (tmp_path / "out" / "summary.txt").exists()

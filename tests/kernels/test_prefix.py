@@ -156,6 +156,8 @@ def test_window_one_and_empty_context(dtype, path):
     torch.testing.assert_close(out.double(), v.double(), atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.skipif(_prefix_plan._TORCH_RELEASE < _prefix_plan.SDPA_MIN_TORCH,
+                    reason="the SDPA path's memory model holds for the verified torch only")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_sdpa_path_chosen_and_accounted(kv_cache_dtype, monkeypatch):
     if kv_cache_dtype != "auto" and not fp8_available(kv_cache_dtype):
