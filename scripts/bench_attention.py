@@ -448,4 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # torch 2.1 segfaults in weakref finalisers at interpreter exit after dispatch-mode
+    # use (the peak-memory tracker); everything is written and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

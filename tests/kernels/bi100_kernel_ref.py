@@ -13,6 +13,17 @@ import torch
 FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
+def cpu_half_gemm() -> bool:
+    """Whether this torch multiplies float16 matrices on CPU (torch 2.1 does not: the GPU
+    compute mode and the SDPA path can then not be run on CPU for float16)."""
+    try:
+        a = torch.ones(1, 2, 2, dtype=torch.float16)
+        torch.bmm(a, a)
+    except RuntimeError:
+        return False
+    return True
+
+
 def fp8_available(name: str = "fp8") -> bool:
     return hasattr(torch, FP8[name])
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -30,6 +31,7 @@ def formulation(request, monkeypatch):
     from vllm_bi100_patch.kernels import _common
 
     layout, compute = FORMULATIONS[request.param]
+    _skip_half_without_cpu_gemm(request, compute == "native")
     monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
     monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
     return request.param
@@ -40,5 +42,16 @@ def path(request, monkeypatch):
     """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
     from vllm_bi100_patch.kernels import prefix
 
+    _skip_half_without_cpu_gemm(request, request.param == "sdpa")
     monkeypatch.setattr(prefix, "FORCE_PATH", request.param)
     return request.param
+
+
+def _skip_half_without_cpu_gemm(request, half_gemm_needed: bool) -> None:
+    """float16 with half-precision GEMMs on CPU needs a torch that has them (not 2.1)."""
+    from bi100_kernel_ref import cpu_half_gemm
+
+    params = getattr(request.node, "callspec", None)
+    dtype = params.params.get("dtype") if params is not None else None
+    if half_gemm_needed and dtype == torch.float16 and not cpu_half_gemm():
+        pytest.skip(f"torch {torch.__version__} has no float16 GEMM on CPU")

@@ -62,7 +62,7 @@ def _poison(kc, vc, used, value, gen):
 
 
 def _bytes_have_non_finite(cache, used_mask, kv_cache_dtype):
-    vals = cache.view(getattr(torch, FP8[kv_cache_dtype]))[used_mask].float()
+    vals = cache[used_mask].view(getattr(torch, FP8[kv_cache_dtype])).float()
     return not bool(vals.isfinite().all())
 
 

@@ -12,8 +12,9 @@ Two layouts (``_common.fast_layout``):
   bytes, moved as one complex128: a bit-exact same-dtype copy with a 16-byte inner loop)
   and converted in a separate contiguous pass when the dtype changes.
 - other devices: one strided ``index_select`` over a permuted view of the cache writes the
-  tile in its final layout (one pass) when no conversion is needed; otherwise a gather of
-  whole blocks and one fused transpose-convert copy.
+  tile in its final layout (one pass) when no conversion is needed (plus a copy into the
+  caller's reusable buffer, if any); otherwise a gather of whole blocks and one fused
+  transpose-convert copy.
 
 ``hidden`` (``[num_seqs, tokens]``, true where no query attends) zeroes value slots: a
 probability of exactly 0 does not cancel a NaN or inf value (``0 * nan = nan``), so slots
@@ -39,10 +40,15 @@ def gather_keys(key_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, block
     written into ``out`` (contiguous, that shape) when given."""
     kv, bs, x = spec.num_kv_heads, spec.block_size, spec.x
     chunks = spec.head_size // x
-    if out is None:
-        out = torch.empty((kv, num_seqs, blocks * bs, spec.head_size), dtype=dtype,
-                          device=key_cache.device)
+    shape = (kv, num_seqs, blocks * bs, spec.head_size)
     same = dtype == spec.storage_dtype
+    if same and not fast_layout(key_cache.device):
+        # One strided pass (index_select allocates its result contiguous; its ``out=``
+        # variant is avoided: torch 2.1's meta kernel mis-sizes it for a permuted input).
+        tile = torch.index_select(key_cache.permute(1, 0, 3, 2, 4), 1, ids).view(shape)
+        return tile if out is None else out.copy_(tile)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=key_cache.device)
     if fast_layout(key_cache.device):
         raw = key_cache.index_select(0, ids)  # [num_seqs * blocks, kv, chunks, bs, x]
         units = raw.view(torch.complex128).view(num_seqs, blocks, kv, chunks, bs)
@@ -53,9 +59,6 @@ def gather_keys(key_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, block
             staged = units.contiguous().view(spec.storage_dtype)
             del raw
             out.view(kv, num_seqs, blocks, bs, spec.head_size).copy_(to_float(staged, spec))
-    elif same:
-        torch.index_select(key_cache.permute(1, 0, 3, 2, 4), 1, ids,
-                           out=out.view(kv, num_seqs * blocks, bs, chunks, x))
     else:
         raw = to_float(key_cache.index_select(0, ids), spec)
         out.view(kv, num_seqs, blocks, bs, chunks, x).copy_(
@@ -72,16 +75,14 @@ def gather_values(value_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, b
     whose last dimension is contiguous.  Slots where ``hidden`` is true are zero.
     """
     kv, bs, d = spec.num_kv_heads, spec.block_size, spec.head_size
+    if out is None and dtype == spec.storage_dtype and not fast_layout(value_cache.device):
+        tile = torch.index_select(value_cache.permute(1, 0, 3, 2), 1, ids)  # one pass
+        if hidden is not None:
+            tile.masked_fill_(hidden.view(1, num_seqs * blocks, bs, 1), 0)
+        return tile.view(kv, num_seqs, blocks * bs, d)
     if out is None:
         out = torch.empty((kv, num_seqs, blocks * bs, d), dtype=dtype, device=value_cache.device)
     dest = out.view(kv, num_seqs, blocks, bs, d)
-    if (dtype == spec.storage_dtype and out.is_contiguous()
-            and not fast_layout(value_cache.device)):
-        torch.index_select(value_cache.permute(1, 0, 3, 2), 1, ids,
-                           out=out.view(kv, num_seqs * blocks, bs, d))
-        if hidden is not None:
-            dest.masked_fill_(hidden.view(1, num_seqs, blocks, bs, 1), 0)
-        return out
     raw = value_cache.index_select(0, ids)  # [num_seqs * blocks, kv, D, bs]
     _zero_hidden(raw, hidden, num_seqs, blocks, spec)
     dest.copy_(to_float(raw, spec).view(num_seqs, blocks, kv, d, bs).permute(2, 0, 1, 4, 3))
