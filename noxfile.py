@@ -106,12 +106,28 @@ def corex(session: nox.Session) -> None:
             env={"BI100_EXPECT_VLLM": "0.6.3+corex.3.2.3"})
 
 
+#: The CoreX 3.2.3 stack's torch release.  PyPI's Linux wheel of it is the CUDA 12.1 build
+#: (with its nvidia-* dependencies, several GB; it runs on CPU like a CPU build), and it was
+#: built against numpy 1.x.  Heavy, so only in ``nox -s matrix`` or by name.
+TORCH_21 = ("torch==2.1.0", "numpy<2")
+
+
+@nox.session(python=PYTHON, name="kernels-torch2.1", default=False)
+def kernels_torch21(session: nox.Session) -> None:
+    """tests/kernels on torch 2.1.0, the torch of the CoreX 3.2.3 stack."""
+    session.install(*TORCH_21, *TEST_DEPS)
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    _pytest(session, "tests/kernels", "-q", *session.posargs)
+
+
 @nox.session(python=False)
 def matrix(session: nox.Session) -> None:
-    """Queue tests/real for every release line in MATRIX, and the CoreX stand-in."""
+    """Queue tests/real for every release line in MATRIX, the CoreX stand-in and the kernels
+    on torch 2.1."""
     for version in MATRIX:
         session.notify(f"real-{version}")
     session.notify(COREX)
+    session.notify("kernels-torch2.1")
 
 
 @nox.session(python=PYTHON)

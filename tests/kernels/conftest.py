@@ -1,4 +1,4 @@
-"""Kernels-layer test configuration: helper import path and markers."""
+"""Kernels-layer test configuration: helper import path and the formulation fixtures."""
 
 from __future__ import annotations
 
@@ -6,16 +6,30 @@ import os
 import sys
 
 import pytest
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# scripts/memtrack.py (peak-memory tracker shared with scripts/bench_attention.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
 
 
-@pytest.fixture(params=["fast", "generic"])
-def layout(request, monkeypatch):
-    """Run a test under both tile layouts (CPU-tuned and the one used on GPUs)."""
+#: Formulations: (tile layout, compute mode).  "cpu" is what CPUs run, "gpu" what every
+#: other device runs (strided gathers, half-precision GEMMs with float32 accumulation),
+#: "generic-fp32" the GPU layout with float32 math (isolates layout from precision).
+FORMULATIONS = {"cpu": ("fast", "fp32"), "generic-fp32": ("generic", "fp32"),
+                "gpu": ("generic", "native")}
+
+
+@pytest.fixture(params=sorted(FORMULATIONS))
+def formulation(request, monkeypatch):
+    """Run a test under each formulation (see ``FORMULATIONS``); returns its name."""
     from vllm_bi100_patch.kernels import _common
 
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", request.param)
+    layout, compute = FORMULATIONS[request.param]
+    _skip_half_without_cpu_gemm(request, compute == "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
     return request.param
 
 
@@ -24,5 +38,16 @@ def path(request, monkeypatch):
     """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
     from vllm_bi100_patch.kernels import prefix
 
+    _skip_half_without_cpu_gemm(request, request.param == "sdpa")
     monkeypatch.setattr(prefix, "FORCE_PATH", request.param)
     return request.param
+
+
+def _skip_half_without_cpu_gemm(request, half_gemm_needed: bool) -> None:
+    """float16 with half-precision GEMMs on CPU needs a torch that has them (not 2.1)."""
+    from bi100_kernel_ref import cpu_half_gemm
+
+    params = getattr(request.node, "callspec", None)
+    dtype = params.params.get("dtype") if params is not None else None
+    if half_gemm_needed and dtype == torch.float16 and not cpu_half_gemm():
+        pytest.skip(f"torch {torch.__version__} has no float16 GEMM on CPU")

@@ -42,7 +42,7 @@ def _lens(block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
-def test_dtypes_head_sizes(dtype, head_size, layout):
+def test_dtypes_head_sizes(dtype, head_size, formulation):
     q, kc, vc, bt, sl = _case(dtype, head_size, 4, 2, 16, _lens(16))
     out = paged_decode(q, kc, vc, bt, sl, head_size ** -0.5)
     _check(out, ref_decode(q, kc, vc, bt, sl, head_size ** -0.5), dtype)
@@ -50,14 +50,14 @@ def test_dtypes_head_sizes(dtype, head_size, layout):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_gqa_block_sizes(group, block_size, layout):
+def test_gqa_block_sizes(group, block_size, formulation):
     dtype = torch.bfloat16 if group % 2 else torch.float32
     q, kc, vc, bt, sl = _case(dtype, 64, 2 * group, 2, block_size, _lens(block_size), seed=group)
     out = paged_decode(q, kc, vc, bt, sl, 0.11)
     _check(out, ref_decode(q, kc, vc, bt, sl, 0.11), dtype)
 
 
-def test_long_context_many_tiles(layout):
+def test_long_context_many_tiles(formulation):
     # 2100 tokens: several 512-token tiles plus a ragged shorter neighbour.
     lens = [2100, 700, 0]
     q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 1, 16, lens, seed=3)
@@ -65,7 +65,7 @@ def test_long_context_many_tiles(layout):
     _check(out, ref_decode(q, kc, vc, bt, sl, 0.125), torch.float32)
 
 
-def test_alibi(layout):
+def test_alibi(formulation):
     q, kc, vc, bt, sl = _case(torch.float32, 64, 8, 2, 16, _lens(16) + [600], seed=4)
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)])
     out = paged_decode(q, kc, vc, bt, sl, 0.125, alibi_slopes=slopes)
@@ -75,7 +75,7 @@ def test_alibi(layout):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tensor_scales", [False, True])
-def test_fp8_cache(kv_cache_dtype, dtype, tensor_scales, layout):
+def test_fp8_cache(kv_cache_dtype, dtype, tensor_scales, formulation):
     if not fp8_available(kv_cache_dtype):
         pytest.skip("torch has no float8 dtypes")
     q, kc, vc, bt, sl = _case(dtype, 64, 4, 2, 16, _lens(16), kv_cache_dtype=kv_cache_dtype)
@@ -98,7 +98,7 @@ def test_auto_ignores_scales():
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_max_seq_len_and_garbage_padding(layout):
+def test_max_seq_len_and_garbage_padding(formulation):
     # Table wider than needed, padded with ids that do not exist: the padding is never read.
     lens = [5, 40, 17]
     q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 8, lens, width=12, pad=10_000)

@@ -11,12 +11,10 @@ Everything here works on plain tensors and never imports vLLM.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional, Sequence, Union
 
 import torch
 
-logger = logging.getLogger("vllm.bi100_patch")
 
 ScaleLike = Union[float, torch.Tensor]
 
@@ -184,12 +182,13 @@ def to_float(t: torch.Tensor, spec: CacheSpec) -> torch.Tensor:
 
 
 def fast_layout(device: torch.device) -> bool:
-    """Whether to use the CPU-tuned tile layouts (see ``gather_keys``/``gather_values``).
+    """Whether to use the CPU-tuned tile layouts (see ``_gather``).
 
     On CPU, strided copies with a short or strided inner dimension are slow, so keys are
-    transposed as 16-byte units and values are consumed block by block without a transpose.
-    Other devices handle strided copies well and get one fused copy per tile.
-    ``FORCE_LAYOUT`` (``"fast"``/``"generic"``) overrides the choice (tests use it).
+    transposed as 16-byte units and decode values are consumed block by block without a
+    transpose.  Other devices handle strided copies well and gather each tile in one
+    strided ``index_select``.  ``FORCE_LAYOUT`` (``"fast"``/``"generic"``) overrides the
+    choice (tests use it).
     """
     if FORCE_LAYOUT is not None:
         return FORCE_LAYOUT == "fast"
@@ -199,51 +198,44 @@ def fast_layout(device: torch.device) -> bool:
 #: Test hook: ``None`` (by device), ``"fast"`` or ``"generic"``.
 FORCE_LAYOUT: Optional[str] = None
 
+#: Test hook: ``None`` (by device), ``"fp32"`` or ``"native"`` (see ``compute_mode``).
+FORCE_COMPUTE: Optional[str] = None
 
-def gather_keys(key_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, blocks: int,
-                spec: CacheSpec) -> torch.Tensor:
-    """Keys of ``blocks`` cache blocks per sequence as float32 ``[num_seqs, kv_heads, tokens, D]``.
+def compute_mode(device: torch.device) -> str:
+    """How the kernels compute on ``device``: ``"fp32"`` or ``"native"``.
 
-    ``ids`` holds ``num_seqs * blocks`` physical block ids, sequence-major.  One contiguous
-    ``index_select`` of whole blocks, then one transpose of the ``[D // x, block_size]``
-    planes.  Each ``x`` group is exactly 16 bytes, so on CPU the transpose moves them as
-    complex128 units (a same-dtype, bit-exact copy with a 16-byte inner loop) and the float32
-    conversion is a separate contiguous pass; elsewhere transpose and conversion are fused.
+    ``"fp32"`` (CPU): gathered K/V tiles are converted to float32 and both matrix products
+    run in float32: exact to float32, and what CPUs without fast half-precision GEMMs do
+    fastest.  ``"native"`` (every other device): K/V tiles stay in the query's dtype (fp8
+    caches are dequantised to it), ``Q.K^T`` and ``P.V`` take float16/bfloat16 inputs
+    (tensor cores) and accumulate in float32 inside the GEMM (cuBLAS' default compute
+    type); the running max, sum and output accumulator stay float32.  A GEMM's output is
+    in its input dtype, so scores and each tile's ``P.V`` are rounded once to it: the
+    error this adds is what the kernels' tests bound per dtype, on CPU, with this mode
+    forced.  ``FORCE_COMPUTE`` overrides the choice (tests and the benchmark).
     """
-    kv_heads, block_size, x = spec.num_kv_heads, spec.block_size, spec.x
-    chunks = spec.head_size // x
-    raw = key_cache.index_select(0, ids)  # [num_seqs * blocks, kv_heads, chunks, bs, x]
-    tokens = blocks * block_size
-    if fast_layout(raw.device):
-        units = raw.view(torch.complex128).view(num_seqs, blocks, kv_heads, chunks, block_size)
-        moved = units.permute(0, 2, 1, 4, 3).contiguous().view(spec.storage_dtype)
-        return to_float(moved, spec).to(torch.float32).view(
-            num_seqs, kv_heads, tokens, spec.head_size)
-    out = torch.empty((num_seqs, kv_heads, blocks, block_size, chunks, x),
-                      dtype=torch.float32, device=raw.device)
-    out.copy_(to_float(raw, spec).view(num_seqs, blocks, kv_heads, chunks, block_size, x)
-              .permute(0, 2, 1, 4, 3, 5))
-    return out.view(num_seqs, kv_heads, tokens, spec.head_size)
+    if FORCE_COMPUTE is not None:
+        return FORCE_COMPUTE
+    return "fp32" if device.type == "cpu" else "native"
 
 
-def gather_values_blocks(value_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int,
-                         blocks: int, spec: CacheSpec) -> torch.Tensor:
-    """Values in the native block layout as float32 ``[num_seqs, blocks, kv_heads, D, bs]``."""
-    raw = value_cache.index_select(0, ids)
-    return to_float(raw, spec).to(torch.float32).view(
-        num_seqs, blocks, spec.num_kv_heads, spec.head_size, spec.block_size)
+def work_dtype(query_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype K/V tiles, scores and probabilities are held in (see ``compute_mode``)."""
+    return torch.float32 if compute_mode(device) == "fp32" else query_dtype
 
 
-def gather_values(value_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, blocks: int,
-                  spec: CacheSpec) -> torch.Tensor:
-    """Values as float32 ``[num_seqs, kv_heads, tokens, D]`` (gather, transpose, convert)."""
-    kv_heads, block_size, head_size = spec.num_kv_heads, spec.block_size, spec.head_size
-    raw = value_cache.index_select(0, ids)
-    out = torch.empty((num_seqs, kv_heads, blocks, block_size, head_size),
-                      dtype=torch.float32, device=raw.device)
-    out.copy_(to_float(raw, spec).view(num_seqs, blocks, kv_heads, head_size, block_size)
-              .permute(0, 2, 1, 4, 3))
-    return out.view(num_seqs, kv_heads, blocks * block_size, head_size)
+def accumulate_bmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` (batched); ``acc`` is float32, ``a``/``b`` in the work dtype."""
+    if a.dtype == torch.float32:
+        acc.baddbmm_(a, b)
+    else:
+        acc.add_(torch.bmm(a, b).float())  # same-dtype add: the fast path
+
+
+def scores_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched) as float32, from operands in the work dtype."""
+    product = torch.bmm(a, b)
+    return product if product.dtype == torch.float32 else product.float()
 
 
 def ceil_div(a: int, b: int) -> int:

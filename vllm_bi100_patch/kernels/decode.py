@@ -8,12 +8,15 @@ host synchronisation, so the call is CUDA-graph capturable, and its Python call 
 depends on the context width, not on ``num_seqs`` (see ``decode_tile_tokens``; only the
 scratch cap for very large batches shortens tiles).
 
-Memory traffic per tile (CPU layout): one contiguous gather of whole cache blocks, then the
-``[head_size // x, block_size]`` key planes are transposed as 16-byte units (each ``x``
-group is 16 bytes, moved as one complex128: a bit-exact same-dtype copy) and converted to
-float32 in a contiguous pass; values are never transposed: each ``[head_size, block_size]``
-block is used as a transposed matmul operand.  On GPUs one fused gather-transpose-convert
-copy per tile is used instead (``_common.fast_layout``).  No per-sequence ``.item()``.
+Tiles are kv-head-major (``_gather``) and merged by the online softmax shared with the
+prefix path (``_softmax``).  On CPU (``"fp32"`` compute mode, ``_common.compute_mode``) the
+K tile is gathered as whole blocks, transposed as 16-byte units and converted to float32;
+values are never transposed: each ``[head_size, block_size]`` block is used as a
+transposed matmul operand.  On GPUs (``"native"``) each tile is gathered in one strided
+``index_select`` in the cache's dtype and both products run with half-precision inputs
+and float32 accumulation.  Value slots past a sequence's end are zeroed before ``P.V``
+(on CPU only in tiles where some sequence ends: the lengths are free to read there).
+No per-sequence ``.item()``.
 """
 
 from __future__ import annotations
@@ -25,17 +28,19 @@ import torch
 
 from ._common import (
     ScaleLike,
+    accumulate_bmm,
     ceil_div,
     check_alibi,
     check_cache,
     check_heads,
     check_int_tensor,
     fast_layout,
-    gather_keys,
-    gather_values,
-    gather_values_blocks,
     scale_factor,
+    scores_bmm,
+    work_dtype,
 )
+from ._gather import gather_keys, gather_values, gather_values_blocks
+from ._softmax import OnlineSoftmax
 
 __all__ = ["decode_tile_tokens", "paged_decode"]
 
@@ -101,7 +106,10 @@ def paged_decode(
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in the query's dtype; zeros for sequences of
-        length 0.  Inputs are never modified.
+        length 0.  Cache slots no token attends to (past ``seq_lens``, blocks behind
+        padding columns) never reach the output, whatever they hold (NaN, inf,
+        uninitialised fp8 bytes): their scores are masked and their values zeroed.
+        Inputs are never modified.
 
     Raises:
         ValueError: shapes, dtypes or head counts that disagree; for CPU tensors also a
@@ -137,9 +145,12 @@ def paged_decode(
         width = min(ceil_div(max_seq_len, block_size), table_width)
     else:
         width = table_width
+    # Positions below ``shortest`` are inside every sequence: tiles that end there need no
+    # value zeroing. Known for free on CPU; on devices reading it would sync, so 0.
+    shortest = 0
     if query.device.type == "cpu":
-        _check_values_cpu(block_tables, seq_lens, width, block_size, spec.num_blocks,
-                          max_seq_len)
+        shortest = _check_values_cpu(block_tables, seq_lens, width, block_size,
+                                     spec.num_blocks, max_seq_len)
 
     out = torch.zeros_like(query)
     if num_seqs == 0 or width == 0:
@@ -147,88 +158,93 @@ def paged_decode(
 
     kv_heads = spec.num_kv_heads
     device = query.device
+    dtype = work_dtype(query.dtype, device)
     seq_lens_i = seq_lens.to(torch.int64)
-    # Block ids past a sequence's end may be padding (garbage): read block 0 instead.
+    # Block ids past a sequence's end may be padding (garbage): read block 0 instead (its
+    # values are zeroed there, see ``_gather``).
     block_start = torch.arange(width, device=device, dtype=torch.int64) * block_size
     used = block_start.unsqueeze(0) < seq_lens_i.unsqueeze(1)
     safe_tables = torch.where(used, block_tables[:, :width].to(torch.int64),
                               torch.zeros((), dtype=torch.int64, device=device))
 
-    # Query in float32, pre-scaled (a new tensor: the input is left alone).
     q_scale = scale_factor(scale, "scale")
     if spec.fp8:
         q_scale = q_scale * scale_factor(k_scale, "k_scale")
-    qf = (query.to(torch.float32) * q_scale).view(num_seqs, kv_heads, group, head_size)
+    # Query kv-head-major [kv, num_seqs, group, D] (a new tensor: the input is left alone).
+    # float32: pre-scaled; native: exact in its dtype, the scores are scaled instead.
+    q_kv = query.view(num_seqs, kv_heads, group, head_size).permute(1, 0, 2, 3)
+    if dtype == torch.float32:
+        qf = (q_kv.to(torch.float32) * q_scale).contiguous()
+    else:
+        qf = q_kv.to(dtype).contiguous()
 
     slopes: Optional[torch.Tensor] = None
     last_pos: Optional[torch.Tensor] = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=device, dtype=torch.float32).view(
-            1, kv_heads, group, 1)
-        last_pos = (seq_lens_i - 1).to(torch.float32).view(num_seqs, 1, 1, 1)
+            kv_heads, 1, group, 1)
+        last_pos = (seq_lens_i - 1).to(torch.float32).view(1, num_seqs, 1, 1)
 
     tile = decode_tile_tokens(num_seqs, kv_heads, head_size, block_size,
                               width * block_size)
     tile_blocks = tile // block_size
     offsets = torch.arange(tile, device=device, dtype=torch.int64)
     blockwise_values = fast_layout(device)
-
-    stats_shape = (num_seqs, kv_heads, group, 1)
-    m = torch.full(stats_shape, -math.inf, dtype=torch.float32, device=device)
-    l_sum = torch.zeros(stats_shape, dtype=torch.float32, device=device)
-    acc = torch.zeros((num_seqs, kv_heads, group, head_size), dtype=torch.float32,
-                      device=device)
+    state = OnlineSoftmax((kv_heads, num_seqs, group), head_size, device, separate_sum=True)
+    batch = kv_heads * num_seqs
 
     for w0 in range(0, width, tile_blocks):
         n = min(tile_blocks, width - w0)
         tokens = n * block_size
         ids = safe_tables[:, w0:w0 + n].reshape(-1)
 
-        keys = gather_keys(key_cache, ids, num_seqs, n, spec)  # [S, kv, tokens, D]
-        scores = torch.matmul(qf, keys.transpose(-1, -2))  # [S, kv, group, tokens]
+        keys = gather_keys(key_cache, ids, num_seqs, n, spec, dtype)  # [kv, S, tokens, D]
+        scores = scores_bmm(qf.view(batch, group, head_size),
+                            keys.view(batch, tokens, head_size).transpose(1, 2))
+        scores = scores.view(kv_heads, num_seqs, group, tokens)
         del keys
+        if dtype != torch.float32:
+            scores.mul_(q_scale)
 
         pos = offsets[:tokens] + w0 * block_size
         if slopes is not None and last_pos is not None:
             scores.add_(slopes * (pos.to(torch.float32).view(1, 1, 1, tokens) - last_pos))
         beyond = pos.unsqueeze(0) >= seq_lens_i.unsqueeze(1)  # [num_seqs, tokens]
-        scores.masked_fill_(beyond.view(num_seqs, 1, 1, tokens), -math.inf)
-
-        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-        probs = scores.sub_(m_safe).exp_()
-        corr = torch.exp(m - m_safe)
-        l_sum.mul_(corr).add_(probs.sum(dim=-1, keepdim=True))
-        acc.mul_(corr)
-        m = m_new
+        # masked_fill (not an additive mask) also replaces NaN/inf scores of unused keys.
+        scores.masked_fill_(beyond.view(1, num_seqs, 1, tokens), -math.inf)
+        hidden = beyond if (w0 + n) * block_size > shortest else None
+        probs = state.step(scores).to(dtype)
 
         if blockwise_values:
             # Per block: [group, bs] @ [bs, D] against the native [D, bs] block (a
             # transposed view, no copy), then sum the blocks of the tile.
-            values = gather_values_blocks(value_cache, ids, num_seqs, n, spec)
-            p_blocks = probs.view(num_seqs, kv_heads, group, n, block_size).permute(
-                0, 3, 1, 2, 4)
-            acc.add_(torch.matmul(p_blocks, values.transpose(-1, -2)).sum(dim=1))
+            values = gather_values_blocks(value_cache, ids, num_seqs, n, spec, dtype, hidden)
+            p_blocks = probs.view(kv_heads, num_seqs, group, n, block_size).permute(
+                1, 3, 0, 2, 4)
+            pv = torch.matmul(p_blocks, values.transpose(-1, -2))  # [S, n, kv, group, D]
+            state.acc.add_(pv.sum(dim=1, dtype=torch.float32).permute(1, 0, 2, 3))
         else:
-            values = gather_values(value_cache, ids, num_seqs, n, spec)
-            acc.view(num_seqs * kv_heads, group, head_size).baddbmm_(
-                probs.view(num_seqs * kv_heads, group, tokens),
-                values.view(num_seqs * kv_heads, tokens, head_size))
+            values = gather_values(value_cache, ids, num_seqs, n, spec, dtype, hidden)
+            accumulate_bmm(state.acc.view(batch, group, head_size),
+                           probs.view(batch, group, tokens),
+                           values.view(batch, tokens, head_size))
         del values, probs, scores
 
-    # l_sum >= 1 wherever a key was visible; 0 (acc 0 too) for empty sequences.
-    result = acc / l_sum.clamp_min(1e-30)
+    # The row sum is >= 1 wherever a key was visible; 0 (acc 0 too) for empty sequences.
+    result = state.normalised(head_size)
     if spec.fp8:
-        result = result * scale_factor(v_scale, "v_scale")
-    out.copy_(result.view(num_seqs, num_heads, head_size))
+        result.mul_(scale_factor(v_scale, "v_scale"))
+    out.view(num_seqs, kv_heads, group, head_size).copy_(result.permute(1, 0, 2, 3))
     return out
 
 
 def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int,
-                      block_size: int, num_blocks: int, max_seq_len: Optional[int]) -> None:
-    """Value checks that are free on CPU tensors (skipped on devices: they would sync)."""
+                      block_size: int, num_blocks: int, max_seq_len: Optional[int]) -> int:
+    """Value checks that are free on CPU tensors (skipped on devices: they would sync).
+
+    Returns the shortest sequence length (0 for an empty batch)."""
     if seq_lens.numel() == 0:
-        return
+        return 0
     longest = int(seq_lens.max())
     shortest = int(seq_lens.min())
     if shortest < 0:
@@ -242,7 +258,7 @@ def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width:
             f"{block_tables.shape[1]} columns")
     needed = ceil_div(longest, block_size)
     if needed == 0:
-        return
+        return shortest
     used = (torch.arange(needed).unsqueeze(0) * block_size
             < seq_lens.to(torch.int64).unsqueeze(1))
     ids = block_tables[:, :needed].to(torch.int64)
@@ -252,3 +268,4 @@ def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width:
         raise ValueError(
             f"block_tables[{row}, {col}] = {int(ids[row, col])} is out of range for a cache "
             f"of {num_blocks} blocks")
+    return shortest

@@ -52,7 +52,6 @@ __all__ = [
     "v1_limit",
 ]
 
-logger = log
 
 #: Head sizes vLLM's native paged-attention kernels are instantiated for.
 NATIVE_HEAD_SIZES: Tuple[int, ...] = (64, 80, 96, 112, 120, 128, 192, 256)
@@ -367,7 +366,7 @@ class _Scratch:
         if buf is None or buf.numel() < numel:
             if buf is not None and self.captured.get(key):
                 self.retired.append(buf)
-                logger.debug("V2 scratch %s grew during/after capture; old buffer kept", key)
+                log.debug("V2 scratch %s grew during/after capture; old buffer kept", key)
             buf = torch.empty(numel, dtype=dtype, device=device)
             self.buffers[key] = buf
             self.captured[key] = False

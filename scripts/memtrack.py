@@ -5,7 +5,8 @@ allocations, so this counts tensor storages instead: a ``TorchDispatchMode`` see
 aten op's outputs, records each new storage's size, and a weakref finalizer subtracts it
 when the storage dies.  The peak of the running sum is the peak extra memory of the code
 (storages created outside the block, such as the inputs, are not counted).  Used by the
-tests and the benchmark; it slows the code down, so never time under it.
+kernel tests and the benchmark (not part of the package: it imports a private torch
+module); it slows the code down, so never time under it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One-command check of the pure-PyTorch kernels on a GPU machine that has only torch
+# (no vLLM, no network): the reduced reference grid on the GPU, then the benchmark's GPU
+# cases, then one summary block.  Installs nothing: the repository goes on PYTHONPATH.
+#
+#   scripts/gpu_kernels_check.sh            # on the GPU machine (CUDA device 0)
+#   scripts/gpu_kernels_check.sh --dry-run  # same steps on CPU with tiny sizes (seconds)
+#
+# Environment: PYTHON (default python3), BI100_CHECK_OUT (default ./gpu-kernels-check).
+# Exit status: 0 when every check passed and the benchmark ran, 1 otherwise.
+# Budget: under 5 minutes on one GPU (checks 150 s, benchmark 240 s at most).
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+OUT="${BI100_CHECK_OUT:-$PWD/gpu-kernels-check}"
+DRY=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (expected --dry-run)" >&2; exit 2 ;;
+  esac
+done
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+mkdir -p "$OUT"
+start=$(date +%s)
+
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu
+  BENCH_ARGS=(--device cpu --quick --repeats 1 --no-curve)
+else
+  DEVICE=cuda
+  BENCH_ARGS=(--device cuda --repeats 5 --no-curve)
+  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_kernels_check: torch sees no CUDA device (use --dry-run on CPU)" >&2
+    exit 1
+  fi
+fi
+
+"$PY" -c 'import torch; d = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"; print(f"torch {torch.__version__}, device: {d}")' \
+  | tee "$OUT/env.txt"
+
+# 1. The reduced reference grid on the device (plain runner: pytest is not needed).
+timeout 150 "$PY" "$ROOT/tests/kernels/device_checks.py" --device "$DEVICE" 2>&1 \
+  | tee "$OUT/checks.txt"
+checks_rc=${PIPESTATUS[0]}
+
+# 2. The benchmark: decode 32K/128K tokens (KV read vs copy bandwidth), tiled prefix
+#    1x(32K+512) and 4x(8K+256) against dense SDPA (quick CPU shapes for --dry-run).
+timeout 240 "$PY" "$ROOT/scripts/bench_attention.py" "${BENCH_ARGS[@]}" --out "$OUT/bench" 2>&1 \
+  | tee "$OUT/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+
+elapsed=$(( $(date +%s) - start ))
+status=PASS
+if [ "$checks_rc" != 0 ] || [ "$bench_rc" != 0 ]; then status=FAIL; fi
+{
+  echo "==== gpu_kernels_check summary ===="
+  cat "$OUT/env.txt"
+  grep -E '^device checks on ' "$OUT/checks.txt" || echo "device checks: no result (exit $checks_rc)"
+  grep -E '^measured copy bandwidth' "$OUT/bench.txt" || true
+  grep -E '^\| (case|decode|prefix)' "$OUT/bench.txt" || echo "benchmark: no table (exit $bench_rc)"
+  grep -E '^target ' "$OUT/bench.txt" || true
+  echo "checks exit $checks_rc, benchmark exit $bench_rc, ${elapsed} s; outputs in $OUT"
+  echo "RESULT: $status"
+} | tee "$OUT/summary.txt"
+[ "$status" = PASS ]

@@ -1,0 +1,229 @@
+"""The reference grid, reduced, on one device: plain functions that need torch only.
+
+``python tests/kernels/device_checks.py --device cuda`` runs them without pytest (a bare
+GPU machine may have only torch: ``scripts/gpu_kernels_check.sh`` does this);
+``test_device.py`` runs the same checks under pytest on the device named by
+``BI100_TEST_DEVICE`` (default cpu).  On a GPU the kernels choose their own formulation,
+which must be the GPU one ("native"); on CPU that formulation is forced, so these checks
+run (and can fail) everywhere.  Tolerances: ``bi100_kernel_ref.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from bi100_kernel_ref import (  # noqa: E402
+    TOLERANCE,
+    cpu_half_gemm,
+    decode_inputs,
+    fp8_available,
+    make_cache,
+    make_tables,
+    prefix_inputs,
+    ref_decode,
+    ref_prefix,
+    rel_error,
+)
+
+from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
+
+
+class Skip(Exception):
+    """A check that does not apply here."""
+
+
+def use_device_formulation(device: torch.device) -> Dict[str, object]:
+    """Force the GPU formulation on CPU, the device's own choice elsewhere; returns the
+    previous settings for ``restore``."""
+    saved = {"FORCE_LAYOUT": _common.FORCE_LAYOUT, "FORCE_COMPUTE": _common.FORCE_COMPUTE,
+             "FORCE_PATH": prefix.FORCE_PATH}
+    cpu = device.type == "cpu"
+    _common.FORCE_LAYOUT = "generic" if cpu else None
+    _common.FORCE_COMPUTE = "native" if cpu else None
+    prefix.FORCE_PATH = None
+    return saved
+
+
+def restore(saved: Dict[str, object]) -> None:
+    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]  # type: ignore[assignment]
+    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]  # type: ignore[assignment]
+    prefix.FORCE_PATH = saved["FORCE_PATH"]  # type: ignore[assignment]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _dtypes(device: torch.device):
+    """float16 needs half-precision GEMMs, which some torch releases lack on CPU (2.1)."""
+    half = [torch.float16] if device.type != "cpu" or cpu_half_gemm() else []
+    return half + [torch.bfloat16, torch.float32]
+
+
+def check_formulation(device: torch.device) -> None:
+    assert _common.compute_mode(device) == "native"
+    if device.type != "cpu":
+        assert not _common.fast_layout(device)
+        assert not prefix.sdpa_path_ok(torch.bfloat16, device)
+
+
+def check_reference_grid(device: torch.device) -> None:
+    """Decode and prefix (budgets 1 and 256 MiB) for fp16/bf16/fp32, head sizes 64, 128,
+    256, keys scaled 1x and 4x."""
+    for dtype in _dtypes(device):
+        bound = TOLERANCE[("native", dtype)]
+        for head_size in (64, 128, 256):
+            for amp in (1.0, 4.0):
+                args = decode_inputs(dtype, head_size, amp, 1, device)
+                out = paged_decode(*args, head_size ** -0.5, max_seq_len=700)
+                _sync(device)
+                ref = ref_decode(*[a.cpu() for a in args], head_size ** -0.5)
+                err = rel_error(out.cpu(), ref)
+                assert err <= bound, ("decode", dtype, head_size, amp, err)
+                args = prefix_inputs(dtype, head_size, amp, 1, device)
+                ref = ref_prefix(*[a.cpu() for a in args], head_size ** -0.5)
+                for budget_mb in (1, 256):
+                    out = paged_prefix(*args, budget_mb=budget_mb)
+                    _sync(device)
+                    err = rel_error(out.cpu(), ref)
+                    assert err <= bound, ("prefix", dtype, head_size, amp, budget_mb, err)
+
+
+def check_gqa_window_alibi(device: torch.device) -> None:
+    dtype = torch.bfloat16
+    for group in (1, 4, 8):
+        g = torch.Generator().manual_seed(group)
+        ctxs, news = [0, 33, 100], [7, 20, 12]
+        num_blocks = sum(math.ceil(c / 16) for c in ctxs) + 1
+        kc, vc = make_cache(num_blocks, 2, 128, 16, dtype, gen=g)
+        bt = make_tables(ctxs, 16, 7, num_blocks, g)
+        n, heads = sum(news), 2 * group
+        q = torch.randn(n, heads, 128, generator=g).to(dtype)
+        k = torch.randn(n, 2, 128, generator=g).to(dtype)
+        v = torch.randn(n, 2, 128, generator=g).to(dtype)
+        qsl = torch.tensor([0, 7, 27, 39], dtype=torch.int32)
+        sl = torch.tensor([7, 53, 112], dtype=torch.int32)
+        cl = torch.tensor(ctxs, dtype=torch.int32)
+        slopes = torch.tensor([2.0 ** -(i + 1) for i in range(heads)])
+        cpu_args = (q, k, v, kc, vc, bt, qsl, sl, cl)
+        dev_args = [t.to(device) for t in cpu_args]
+        for window, alibi in ((None, None), (9, None), (None, slopes)):
+            out = paged_prefix(*dev_args, sliding_window=window,
+                               alibi_slopes=None if alibi is None else alibi.to(device))
+            ref = ref_prefix(*cpu_args, 128 ** -0.5, alibi_slopes=alibi, sliding_window=window)
+            assert rel_error(out.cpu(), ref) <= TOLERANCE[("native", dtype)]
+
+
+def check_unattended_slots(device: torch.device) -> None:
+    q, kc, vc, bt, sl = decode_inputs(_dtypes(device)[0], 128, 1.0, 2)
+    sl = torch.tensor([0, 1, 15, 16, 17, 50], dtype=torch.int32)
+    used = torch.zeros(kc.shape[0], 16, dtype=torch.bool)
+    for row, n in zip(bt.tolist(), sl.tolist()):
+        for pos in range(n):
+            used[row[pos // 16], pos % 16] = True
+    pk, pv = kc.clone(), vc.clone()
+    pk[~used[:, None, None, :, None].expand_as(pk)] = math.nan
+    pv[~used[:, None, None, :].expand_as(pv)] = math.inf
+    clean = paged_decode(*[t.to(device) for t in (q, kc, vc, bt, sl)], 0.1)
+    dirty = paged_decode(*[t.to(device) for t in (q, pk, pv, bt, sl)], 0.1)
+    assert torch.equal(clean, dirty) and bool(dirty.isfinite().all())
+    assert not dirty[0].any()
+
+
+def check_fp8_cache(device: torch.device) -> None:
+    if not fp8_available("fp8"):
+        raise Skip("torch has no float8 dtypes")
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 40, 129]
+    num_blocks = sum(math.ceil(n / 16) for n in lens) + 1
+    kc, vc = make_cache(num_blocks, 2, 128, 16, torch.bfloat16, "fp8", g)
+    bt = make_tables(lens, 16, 9, num_blocks, g)
+    q = torch.randn(3, 8, 128, generator=g).to(torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    kw = {"kv_cache_dtype": "fp8", "k_scale": 0.5, "v_scale": 2.0}
+    out = paged_decode(*[t.to(device) for t in (q, kc, vc, bt, sl)], 0.1, **kw)
+    ref = ref_decode(q, kc, vc, bt, sl, 0.1, **kw)
+    assert rel_error(out.cpu(), ref) <= TOLERANCE[("native", torch.bfloat16)]
+
+
+def check_cuda_no_sync_and_budget(device: torch.device) -> None:
+    """CUDA only: decode makes no host sync; the prefix peak stays under its budget."""
+    if device.type != "cuda":
+        raise Skip("CUDA only: sync debug mode, allocator statistics")
+    args = [t.to(device) for t in decode_inputs(torch.bfloat16, 128, 1.0, 3)]
+    paged_decode(*args, 0.1, max_seq_len=700)  # warm-up (allocator, cuBLAS handles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged_decode(*args, 0.1, max_seq_len=700)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    g = torch.Generator().manual_seed(0)
+    ctx, new, heads, kv, d = 8192, 512, 32, 8, 128
+    num_blocks = ctx // 16 + 1
+    kc, vc = make_cache(num_blocks, kv, d, 16, torch.bfloat16, gen=g)
+    bt = make_tables([ctx], 16, ctx // 16, num_blocks, g)
+    q = torch.randn(new, heads, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(new, kv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(new, kv, d, generator=g).to(torch.bfloat16)
+    meta = (torch.tensor([0, new], dtype=torch.int32), torch.tensor([ctx + new], dtype=torch.int32),
+            torch.tensor([ctx], dtype=torch.int32))
+    dev = [t.to(device) for t in (q, k, v, kc, vc, bt) + meta]
+    paged_prefix(*[t.to(device) for t in prefix_inputs(torch.bfloat16, 128, 1.0, 0)])  # warm-up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = paged_prefix(*dev, budget_mb=64)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.untyped_storage().nbytes()
+    assert extra <= 64 << 20, extra
+
+
+CHECKS: List[Callable[[torch.device], None]] = [
+    check_formulation, check_reference_grid, check_gqa_window_alibi, check_unattended_slots,
+    check_fp8_cache, check_cuda_no_sync_and_budget,
+]
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=os.environ.get("BI100_TEST_DEVICE", "cpu"))
+    device = torch.device(parser.parse_args(argv).device)
+    saved = use_device_formulation(device)
+    failed = passed = skipped = 0
+    try:
+        for check in CHECKS:
+            t0 = time.perf_counter()
+            try:
+                check(device)
+            except Skip as why:
+                skipped += 1
+                print(f"SKIP {check.__name__}: {why}")
+                continue
+            except Exception:
+                failed += 1
+                print(f"FAIL {check.__name__}:\n{traceback.format_exc()}")
+                continue
+            passed += 1
+            print(f"ok   {check.__name__} ({time.perf_counter() - t0:.1f} s)")
+    finally:
+        restore(saved)
+    print(f"device checks on {device}: {passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
