@@ -67,12 +67,14 @@ class Verdict:
 
 def verdict(settings: config.Settings, info: versions.VersionInfo,
             code_problems: Optional[List[str]] = None,
-            activation_ok: Optional[bool] = None) -> Verdict:
+            activation_ok: Optional[bool] = None,
+            conditional: Optional[List[str]] = None) -> Verdict:
     """The one verdict, built from the same steps the shim takes in a server process:
     ``_bootstrap.gate`` (configuration, hardware, vLLM present), the version family, the code
     check (``code_problems``; None: not checked) and the activation paths (None: not checked).
+    ``conditional``: the conditional patches the code check found needed in this build.
     """
-    result = _verdict(settings, info, code_problems, activation_ok)
+    result = _verdict(settings, info, code_problems, activation_ok, conditional or [])
     if settings.errors:  # the shim ignores invalid values: always a problem to fix
         prefix = "" if settings.mode == config.INVALID else result.text + "; "
         result = Verdict(result.patches, prefix + "invalid configuration: " +
@@ -81,7 +83,8 @@ def verdict(settings: config.Settings, info: versions.VersionInfo,
 
 
 def _verdict(settings: config.Settings, info: versions.VersionInfo,
-             code_problems: Optional[List[str]], activation_ok: Optional[bool]) -> Verdict:
+             code_problems: Optional[List[str]], activation_ok: Optional[bool],
+             conditional: List[str]) -> Verdict:
     from . import decision, registry
 
     result = decision.decide(settings, info, code_problems=code_problems)
@@ -109,7 +112,7 @@ def _verdict(settings: config.Settings, info: versions.VersionInfo,
                        "(sitecustomize, .pth, vLLM plugin entry point); is the shim "
                        "pip-installed into this environment?", EXIT_WONT_PATCH)
     names = [s.attr for s in registry.SPECS
-             if s.name not in settings.disabled and s.row.when is None]
+             if s.name not in settings.disabled and s.row.when is None] + conditional
     guard = "off (disabled)" if "import_guard" in settings.disabled else "on"
     checked = "" if code_problems is not None else " (code not checked: run doctor)"
     if not names:
@@ -197,6 +200,12 @@ def _code_checks(settings: config.Settings, family: versions.Family) -> List[Che
     return out
 
 
+def registry_specs() -> List[Any]:
+    from . import registry
+
+    return list(registry.SPECS)
+
+
 def _native_section(settings: config.Settings) -> Section:
     """The native decode kernels of this build and the route each length band takes."""
     from .patches import paged_attention
@@ -263,10 +272,14 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     code_problems: Optional[List[str]] = None
+    conditional: List[str] = []
     if family is not None and _bootstrap.gate(settings) is None:
         checks = _code_checks(settings, family)
         sections.append(Section("code checks", checks))
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
+        conditional = [s.attr for s in registry_specs() if s.row.when is not None
+                       and s.name not in settings.disabled
+                       and ("ok", f"code check {s.attr}") in [(c[0], c[1]) for c in checks]]
         if "vllm.attention.ops.paged_attn" in sys.modules:
             sections.append(_native_section(settings))
         facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
@@ -278,7 +291,8 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
             import vllm  # noqa: F401
         except Exception as exc:
             sections[1].checks.append(("FAIL", "import vllm", f"{type(exc).__name__}: {exc}"))
-    result = verdict(settings, info, code_problems, any(s == "ok" for s, _, _ in paths))
+    result = verdict(settings, info, code_problems, any(s == "ok" for s, _, _ in paths),
+                     conditional)
     sections.append(Section("this process (doctor itself, after the checks)",
                             [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
                              for line in _process_lines(status(), PROCESS_KEYS)]))
