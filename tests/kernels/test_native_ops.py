@@ -159,8 +159,12 @@ def test_stock_kernel_gets_an_int_when_vllm_passes_head_mapping():
 
     ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
     assert native.NativeOps.of(ops).convention == "stock"
+    native._mappings.clear()
     _run(_batch([10], heads=8, kv=2), ops, k_scale=0.5, v_scale=0.25)
-    assert got == [(2, 0.5, 0.25, "auto")]
+    _run(_batch([10], heads=8, kv=2), ops, num_kv_heads=2)
+    assert got == [(2, 0.5, 0.25, "auto"), (2, 1.0, 1.0, "auto")]
+    # No head_mapping is ever built for a stock kernel (so none during CUDA-graph capture).
+    assert native._mappings == {}
 
 
 def test_v1_limit_follows_the_convention_and_the_setting():

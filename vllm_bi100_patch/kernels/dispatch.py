@@ -181,7 +181,6 @@ def decode(
         values = {
             "out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
             "num_kv_heads": native.kv_heads_of(num_kv_heads, key_cache),
-            "head_mapping": native.head_mapping_for(num_kv_heads, num_heads, query.device),
             "scale": scale, "block_tables": block_tables, "seq_lens": seq_lens,
             "block_size": value_cache.shape[3], "max_seq_len": max_seq_len,
             "alibi_slopes": alibi_slopes, "kv_cache_dtype": kv_cache_dtype,
@@ -193,6 +192,11 @@ def decode(
         }
         if kv_scale is not None:
             values["kv_scale"] = kv_scale
+        if profile.kernel(route[len("native_"):]).takes_head_mapping:
+            # Only vendor kernels need it (and only vendor builds, always eager, run them):
+            # never built for a stock kernel, so never during CUDA-graph capture.
+            values["head_mapping"] = native.head_mapping_for(num_kv_heads, num_heads,
+                                                             query.device)
         if route == "native_v2":
             partitions = ceil_div(max_seq_len, routing.partition_size)
             values["exp_sum"], values["max_logits"], values["tmp_out"] = _SCRATCH.get(

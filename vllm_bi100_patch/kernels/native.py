@@ -286,8 +286,8 @@ def head_mapping_for(num_kv_heads: Any, num_heads: int, device: torch.device) ->
     key = (str(device), num_heads, kv)
     mapping = _mappings.get(key)
     if mapping is None:
-        mapping = torch.repeat_interleave(torch.arange(kv, dtype=torch.int32),
-                                          num_heads // kv).to(device)
+        mapping = torch.arange(kv, dtype=torch.int32, device=device).repeat_interleave(
+            num_heads // kv)  # built on the device: no host-to-device copy
         _mappings[key] = mapping
     return mapping
 
