@@ -10,9 +10,8 @@ from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from shimtest import ROOT, TEST_DEPS_SITE, venv_site_packages, write_fake_vllm  # noqa: E402
+from fakes.fake_vllm import write_fake_vllm
+from helpers.shim import ROOT, TEST_DEPS_SITE, venv_site_packages
 
 
 def reset_shim_state() -> None:

@@ -9,14 +9,9 @@ import os
 import textwrap
 
 import pytest
-from shimtest import (
-    ROOT,
-    TEST_DEPS_SITE,
-    reports,
-    run_python,
-    venv_site_packages,
-    write_fake_vllm,
-)
+from fakes.fake_vllm import write_fake_vllm
+from helpers.probes import reports
+from helpers.shim import ROOT, TEST_DEPS_SITE, run_python, venv_site_packages
 
 PA = "vllm.attention.ops.paged_attn"
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from reference import decode_ref, empty_caches, write
+from helpers.reference import paged_batch, ref_decode
 
 import vllm_bi100_patch as shim
 from vllm_bi100_patch import _bootstrap, config, hardware, import_guard, registry
@@ -53,11 +53,7 @@ def server(fake_vllm_factory, env, monkeypatch):
 
 def _decode_inputs(seq_lens=(37, 1, 16)):
     g = torch.Generator().manual_seed(0)
-    kc, vc = empty_caches(32, KV_HEADS, D, BS, torch.float32)
-    bt = torch.randperm(32, generator=g)[:len(seq_lens) * 4].reshape(len(seq_lens), 4).int()
-    for i, n in enumerate(seq_lens):
-        write(kc, vc, bt[i], 0, torch.randn(n, KV_HEADS, D, generator=g),
-              torch.randn(n, KV_HEADS, D, generator=g))
+    kc, vc, bt, _, _ = paged_batch(seq_lens, KV_HEADS, D, BS, 32, 4, g)
     q = torch.randn(len(seq_lens), HEADS, D, generator=g)
     return q, kc, vc, bt, torch.tensor(seq_lens, dtype=torch.int32)
 
@@ -67,7 +63,7 @@ def _decode(pa, max_seq_len=None):
     m = int(sl.max()) if max_seq_len is None else max_seq_len
     out = pa.PagedAttention.forward_decode(q, kc, vc, bt, sl, m, "auto", KV_HEADS, D ** -0.5,
                                            None, 1.0, 1.0)
-    ref = decode_ref(q, kc, vc, bt, sl, D ** -0.5)
+    ref = ref_decode(q, kc, vc, bt, sl, D ** -0.5)
     # float32 kernels vs float64 reference: measured max error 4.8e-7 (native fake and
     # fallback alike); 10x margin.
     torch.testing.assert_close(out.double(), ref, atol=5e-6, rtol=0)
@@ -325,6 +321,21 @@ def test_corex_torch_is_detected_and_auto_mode_arms(fake_vllm_factory, env, tmp_
 
 # ------------------------------------------------------------------------------------ threads
 
+def _run_threads(target, n=8):
+    """Run ``target(i)`` for i < n in n threads at once, switching between them as often as
+    the interpreter allows (so that races show)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_apply_revert_status_from_eight_threads(fake_vllm_factory, env):
     fake_vllm_factory("0.6.3.post1")
     env(VLLM_BI100_PATCH="1")
@@ -350,16 +361,7 @@ def test_apply_revert_status_from_eight_threads(fake_vllm_factory, env):
         except BaseException as exc:  # noqa: B902 - reported below
             errors.append(exc)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    _run_threads(work)
     assert errors == []
     st = shim.apply()  # whatever the interleaving, apply works afterwards ...
     assert st["active"] and st["patched"] == ["forward_decode", "forward_prefix"]
@@ -371,17 +373,7 @@ def test_apply_revert_status_from_eight_threads(fake_vllm_factory, env):
 
 def test_route_counters_lose_no_update_across_threads():
     dispatch.reset_route_counts()
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=lambda: [dispatch._count_route("fallback")
-                                                    for _ in range(20000)]) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    _run_threads(lambda i: [dispatch._count_route("fallback") for _ in range(20000)])
     assert dispatch.route_counts()["fallback"] == 8 * 20000
     paged_attention.reset_call_counts()
     assert dispatch.route_counts()["fallback"] == 0

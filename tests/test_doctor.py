@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from shimtest import ROOT, write_fake_vllm
+from fakes.fake_vllm import write_fake_vllm
+from helpers.shim import ROOT
 
 from vllm_bi100_patch import __version__, versions
 

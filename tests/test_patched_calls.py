@@ -4,8 +4,8 @@ import importlib
 
 import pytest
 import torch
-from shimtest import FAMILY_VERSIONS
-from reference import decode_ref, empty_caches, prefix_ref, write
+from helpers.reference import paged_batch, prefix_batch, ref_decode, ref_prefix
+from helpers.shim import FAMILY_VERSIONS
 
 from vllm_bi100_patch import config, hardware, registry, versions
 from vllm_bi100_patch.patches import paged_attention
@@ -20,18 +20,7 @@ HEADS, KV_HEADS, D, BS = 4, 2, 64, 16
 
 def _scenario(seed=0, seq_lens=(37, 1, 16), new=(5, 1, 3)):
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 32
-    kc, vc = empty_caches(num_blocks, KV_HEADS, D, BS, torch.float32)
-    perm = torch.randperm(num_blocks, generator=g)
-    width = 4
-    block_tables = perm[: len(seq_lens) * width].reshape(len(seq_lens), width).to(torch.int32)
-    ks, vs = [], []
-    for i, n in enumerate(seq_lens):
-        k = torch.randn(n, KV_HEADS, D, generator=g)
-        v = torch.randn(n, KV_HEADS, D, generator=g)
-        write(kc, vc, block_tables[i], 0, k, v)
-        ks.append(k)
-        vs.append(v)
+    kc, vc, block_tables, ks, vs = paged_batch(seq_lens, KV_HEADS, D, BS, 32, 4, g)
     return g, kc, vc, block_tables, torch.tensor(seq_lens, dtype=torch.int32), ks, vs
 
 
@@ -64,7 +53,7 @@ def test_decode_every_family(patched, version, by_keyword):
         out = mod.PagedAttention.forward_decode(**dict(zip(fam.decode_params, args)))
     else:
         out = mod.PagedAttention().forward_decode(*args)
-    torch.testing.assert_close(out.double(), decode_ref(query, kc, vc, bt, seq_lens, scale),
+    torch.testing.assert_close(out.double(), ref_decode(query, kc, vc, bt, seq_lens, scale),
                                atol=ATOL, rtol=0)
     assert torch.equal(query, q_before)
     assert "forward_decode" not in mod.STOCK_CALLS
@@ -73,22 +62,11 @@ def test_decode_every_family(patched, version, by_keyword):
 @pytest.mark.parametrize("version", sorted(FAMILY_VERSIONS.values()))
 def test_prefix_every_family(patched, version):
     mod, fam = patched(version)
-    g, kc, vc, bt, seq_lens, ks, vs = _scenario(seed=1)
-    new = torch.tensor([5, 1, 3], dtype=torch.int32)
-    context_lens = seq_lens - new
-    qsl = torch.zeros(4, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(new, 0)
-    key = torch.cat([k[c:] for k, c in zip(ks, context_lens.tolist())])
-    value = torch.cat([v[c:] for v, c in zip(vs, context_lens.tolist())])
-    query = torch.randn(int(new.sum()), HEADS, D, generator=g)
-    values = {
-        "query": query, "key": key, "value": value, "kv_cache_dtype": "auto", "key_cache": kc,
-        "value_cache": vc, "block_tables": bt, "query_start_loc": qsl, "seq_lens_tensor": seq_lens,
-        "context_lens": context_lens, "max_query_len": int(new.max()), "alibi_slopes": None,
-        "sliding_window": None, "k_scale": _scales(fam)[0], "v_scale": _scales(fam)[0],
-    }
+    values = _prefix_values(fam)
     out = mod.PagedAttention.forward_prefix(*[values[p] for p in fam.prefix_params])
-    ref = prefix_ref(query, kc, vc, bt, qsl, seq_lens, context_lens, key, value, D ** -0.5)
+    ref = ref_prefix(*[values[p] for p in ("query", "key", "value", "key_cache", "value_cache",
+                                           "block_tables", "query_start_loc", "seq_lens_tensor",
+                                           "context_lens")], D ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
     assert mod.STOCK_CALLS == []  # the Triton path was never taken
     assert paged_attention.call_counts()["forward_prefix"] >= 1
@@ -112,7 +90,7 @@ def test_native_route_passes_the_family_scales_through(patched, version, monkeyp
     assert rest[:len(scales)] == scales and rest[len(scales):] == (0, 0, 0, 64, 0)
     # The fake native op scales K by k_scale and V by v_scale: compare with a scaled reference.
     kref, vref = kc * scales[0], vc * scales[-1]
-    torch.testing.assert_close(out.double(), decode_ref(query, kref, vref, bt, seq_lens, 0.125),
+    torch.testing.assert_close(out.double(), ref_decode(query, kref, vref, bt, seq_lens, 0.125),
                                atol=ATOL, rtol=0)
 
 
@@ -140,18 +118,14 @@ def test_fallback_when_vllm_ops_have_no_kernels_behind_them(patched, monkeypatch
                                             0.125, None, 1.0, 1.0)
     assert ops.CALLS == []
     assert paged_attention.call_counts()["decode_fallback"] == before + 1
-    torch.testing.assert_close(out.double(), decode_ref(query, kc, vc, bt, seq_lens, 0.125),
+    torch.testing.assert_close(out.double(), ref_decode(query, kc, vc, bt, seq_lens, 0.125),
                                atol=ATOL, rtol=0)
 
 
 def _prefix_values(fam, seed=1):
     g, kc, vc, bt, seq_lens, ks, vs = _scenario(seed=seed)
     new = torch.tensor([5, 1, 3], dtype=torch.int32)
-    context_lens = seq_lens - new
-    qsl = torch.zeros(4, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(new, 0)
-    key = torch.cat([k[c:] for k, c in zip(ks, context_lens.tolist())])
-    value = torch.cat([v[c:] for v, c in zip(vs, context_lens.tolist())])
+    context_lens, qsl, key, value = prefix_batch(seq_lens, new, ks, vs)
     return {
         "query": torch.randn(int(new.sum()), HEADS, D, generator=g), "key": key, "value": value,
         "kv_cache_dtype": "auto", "key_cache": kc, "value_cache": vc, "block_tables": bt,

@@ -5,12 +5,10 @@ import re
 import subprocess
 import sys
 
-from shimtest import ROOT
+import readme_tables
+from helpers.shim import ROOT
 
 from vllm_bi100_patch import versions
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import readme_tables  # noqa: E402
 
 
 def _readme():

@@ -4,7 +4,7 @@ import functools
 import logging
 
 import pytest
-from shimtest import FAMILY_VERSIONS
+from helpers.shim import FAMILY_VERSIONS
 
 from vllm_bi100_patch import config, registry, versions
 

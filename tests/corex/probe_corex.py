@@ -18,13 +18,19 @@ arguments.  References are float64 attention over the dense K/V the probe genera
 from __future__ import annotations
 
 import inspect
-import json
 import math
+import os
 import sys
 import traceback
 from typing import Any, Dict, List, Sequence
 
 import torch
+
+# Run in a fresh interpreter of the stand-in venv, outside pytest: tests/ for the helpers package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helpers.probes import report as emit  # noqa: E402
+from helpers.reference import attend  # noqa: E402
 
 BLOCK = 16
 
@@ -41,11 +47,6 @@ def worst(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, table=None) 
     """max |out - ref| / (atol + rtol |ref|): <= 1 passes."""
     atol, rtol = (table or TOL)[dtype]
     return float(((out.double() - ref).abs() / (atol + rtol * ref.abs())).max())
-
-
-def emit(**kw: Any) -> None:
-    sys.stdout.write("@@REPORT@@" + json.dumps(kw, default=str) + "\n")
-    sys.stdout.flush()
 
 
 def error_of(fn) -> str:
@@ -125,24 +126,6 @@ class VendorLayer:
                                       context_lens, max_query_len, None, None, 1.0, 1.0)
 
 
-def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              q_pos: Sequence[int]) -> torch.Tensor:
-    """float64 causal attention: q [m, H, d] at absolute positions q_pos, k/v [n, KV, d]."""
-    m, heads, d = q.shape
-    kv = k.shape[1]
-    group = heads // kv
-    out = torch.zeros(m, heads, d, dtype=torch.float64)
-    kpos = torch.arange(k.shape[0])
-    mask = kpos[None, :] > torch.tensor(list(q_pos))[:, None]
-    for j in range(kv):
-        kj, vj = k[:, j].double(), v[:, j].double()
-        for h in range(j * group, (j + 1) * group):
-            s = (q[:, h].double() @ kj.T) * scale
-            s = s.masked_fill(mask, float("-inf"))
-            out[:, h] = torch.softmax(s, dim=-1) @ vj
-    return out
-
-
 def build_batch(layer: VendorLayer, lengths: Sequence[int]):
     query = layer.queries(len(lengths))
     width = max(math.ceil(n / BLOCK) for n in lengths)
@@ -153,7 +136,7 @@ def build_batch(layer: VendorLayer, lengths: Sequence[int]):
         blocks = layer.blocks_for(n)
         tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         layer.write(k, v, blocks, 0)
-        refs.append(dense_ref(query[i:i + 1], k, v, layer.scale, [n - 1])[0])
+        refs.append(attend(query[i:i + 1], k, v, [n - 1], layer.scale)[0])
     return query, tables, torch.tensor(lengths, dtype=torch.int32), torch.stack(refs)
 
 
@@ -208,7 +191,7 @@ def dense_drop_last(layer, query, tables, lengths):
         k = layer.key_cache[blk, :, :, off, :].reshape(n - 1, layer.kv_heads, -1)
         v = layer.value_cache[blk, :, :, off]
         assert k.shape[-1] == layer.head_size and x > 0
-        outs.append(dense_ref(query[i:i + 1], k, v, layer.scale, [n - 1])[0])
+        outs.append(attend(query[i:i + 1], k, v, [n - 1], layer.scale)[0])
     return torch.stack(outs)
 
 
@@ -241,7 +224,7 @@ def mode_prefix() -> None:
         k_all = torch.randn(total, 2, head_size, generator=layer.gen).to(dtype)
         v_all = torch.randn(total, 2, head_size, generator=layer.gen).to(dtype)
         q_all = layer.queries(total)
-        ref = dense_ref(q_all, k_all, v_all, layer.scale, range(total))
+        ref = attend(q_all, k_all, v_all, range(total), layer.scale)
         blocks = layer.blocks_for(total)
         tables = torch.tensor([blocks], dtype=torch.int32)
         # Chunked prefill: context 0, then chunks; each chunk's K/V is written first, as the
@@ -271,8 +254,8 @@ def mode_prefix() -> None:
         out = layer.prefix(new_q, new_k, new_v, table2, torch.tensor([0, 44], dtype=torch.int32),
                            torch.tensor([hit + 44], dtype=torch.int32),
                            torch.tensor([hit], dtype=torch.int32), 44)
-        ref2 = dense_ref(new_q, torch.cat([k_all[:hit], new_k]), torch.cat([v_all[:hit], new_v]),
-                         layer.scale, range(hit, hit + 44))
+        ref2 = attend(new_q, torch.cat([k_all[:hit], new_k]), torch.cat([v_all[:hit], new_v]),
+                      range(hit, hit + 44), layer.scale)
         results.append({"kind": "prefix-hit", "head_size": head_size,
                         "dtype": str(dtype).replace("torch.", ""), "context": hit, "query": 44,
                         "worst": worst(out, ref2, dtype, PREFIX_TOL),

@@ -8,12 +8,12 @@ its wheel (sitecustomize, .pth and entry point are the real ones) and the offici
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers.probes import run_probe
 
 pytestmark = pytest.mark.corex
 
@@ -22,18 +22,7 @@ V1_LIMIT = 32768
 
 
 def probe(mode: str, **env: str):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI100")}
-    full.pop("PYTHONPATH", None)
-    full.update(env)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "probe_corex.py"), mode],
-                          env=full, capture_output=True, text=True, timeout=1200, cwd=HERE)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@REPORT@@")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"probe {mode} failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    log = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines()
-                    if not ln.startswith("@@REPORT@@"))
-    return json.loads(lines[-1][len("@@REPORT@@"):]), log
+    return run_probe(os.path.join(HERE, "probe_corex.py"), mode, env, timeout=1200)
 
 
 @pytest.fixture(scope="module")

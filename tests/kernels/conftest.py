@@ -1,17 +1,10 @@
-"""Kernels-layer test configuration: helper import path and the formulation fixtures."""
+"""Kernels-layer test configuration: the formulation fixtures."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-# scripts/memtrack.py (peak-memory tracker shared with scripts/bench_attention.py).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
+from helpers.reference import cpu_half_gemm
 
 
 #: Formulations: (tile layout, compute mode).  "cpu" is what CPUs run, "gpu" what every
@@ -45,8 +38,6 @@ def path(request, monkeypatch):
 
 def _skip_half_without_cpu_gemm(request, half_gemm_needed: bool) -> None:
     """float16 with half-precision GEMMs on CPU needs a torch that has them (not 2.1)."""
-    from bi100_kernel_ref import cpu_half_gemm
-
     params = getattr(request.node, "callspec", None)
     dtype = params.params.get("dtype") if params is not None else None
     if half_gemm_needed and dtype == torch.float16 and not cpu_half_gemm():

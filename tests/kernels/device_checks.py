@@ -5,7 +5,7 @@ GPU machine may have only torch: ``scripts/gpu_kernels_check.sh`` does this);
 ``test_device.py`` runs the same checks under pytest on the device named by
 ``BI100_TEST_DEVICE`` (default cpu).  On a GPU the kernels choose their own formulation,
 which must be the GPU one ("native"); on CPU that formulation is forced, so these checks
-run (and can fail) everywhere.  Tolerances: ``bi100_kernel_ref.TOLERANCE``.
+run (and can fail) everywhere.  Tolerances: ``helpers.reference.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Callable, Dict, List
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+# Run as a plain script (no pytest configuration): tests/ for the helpers, the root for the shim.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 
-from bi100_kernel_ref import (  # noqa: E402
+from helpers.reference import (  # noqa: E402
     TOLERANCE,
     cpu_half_gemm,
     decode_inputs,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from bi100_kernel_ref import fp8_available, make_cache, make_tables, ref_decode
+from helpers.reference import fp8_available, make_cache, make_tables, ref_decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode

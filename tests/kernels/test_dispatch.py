@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from bi100_kernel_ref import make_cache, make_tables, ref_decode
+from helpers.reference import make_cache, make_tables, ref_decode
 
 from vllm_bi100_patch.kernels import dispatch
 from vllm_bi100_patch.kernels.dispatch import DecodeRouting

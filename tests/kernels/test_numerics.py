@@ -4,7 +4,7 @@ The GPU formulation ("native": K/V tiles in the query's dtype, half-precision GE
 float32 accumulation, scores and each tile's P.V rounded once to that dtype) is forced on
 CPU so that its error is measured here, where no GPU is needed.
 
-Tolerances (``bi100_kernel_ref.TOLERANCE``) are relative to the largest reference output
+Tolerances (``helpers.reference.TOLERANCE``) are relative to the largest reference output
 (``max |out - ref| / max |ref|``), because the outputs' magnitude varies with the data.
 The grid spans score magnitudes up to ~30 (keys scaled 1x to 6x).  Measured worst cases
 on this grid (torch 2.13 CPU), and the bound set at about 3x (2.5x for the largest):
@@ -30,7 +30,7 @@ import itertools
 
 import pytest
 import torch
-from bi100_kernel_ref import (
+from helpers.reference import (
     TOLERANCE,
     decode_inputs,
     prefix_inputs,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from bi100_kernel_ref import fp8_available, make_cache, make_tables, ref_prefix
+from helpers.reference import fp8_available, make_cache, make_tables, ref_prefix
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from bi100_kernel_ref import FP8, fp8_available, make_cache, ref_decode, ref_prefix
+from helpers.reference import FP8, fp8_available, make_cache, ref_decode, ref_prefix
 
 from vllm_bi100_patch.kernels import paged_decode, paged_prefix
 

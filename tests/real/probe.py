@@ -14,33 +14,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/ for reference.py
+# Run in a fresh interpreter of another venv, outside pytest: tests/ for the helpers package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helpers.probes import patched_state, prefix_state, report  # noqa: E402
 
 PA = "vllm.attention.ops.paged_attn"
-PP = "vllm.attention.ops.prefix_prefill"
-
-
-def emit(**kw):
-    sys.stdout.write("@@REPORT@@" + json.dumps(kw, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def prefix_state():
-    m = sys.modules.get(PP)
-    if m is None:
-        return "absent"
-    return "substitute" if getattr(m, "__vllm_bi100_substitute__", False) else "real"
-
-
-def patched_state(cls):
-    from vllm_bi100_patch import registry
-
-    return {n: registry.is_ours(vars(cls)[n]) for n in ("forward_decode", "forward_prefix")}
 
 
 def has_native(op):
@@ -55,7 +37,7 @@ def has_native(op):
 def compute(pa, family):
     """Call the patched methods with real paged caches and compare with the dense reference."""
     import torch
-    from reference import decode_ref, empty_caches, prefix_ref, write
+    from helpers.reference import empty_caches, prefix_batch, ref_decode, ref_prefix, write
 
     heads, kv_heads, d, bs = 4, 2, 64, 16
     g = torch.Generator().manual_seed(0)
@@ -85,21 +67,17 @@ def compute(pa, family):
                       kv_scale=scale_one, k_scale=scale_one, v_scale=scale_one)
     n_req = 10 + len(family.decode_scale_names)
     out = pa.PagedAttention.forward_decode(*[dec_values[p] for p in family.decode_params[:n_req]])
-    ref = decode_ref(query, kc, vc, block_tables, seq_lens, d ** -0.5)
+    ref = ref_decode(query, kc, vc, block_tables, seq_lens, d ** -0.5)
     decode_err = float((out.double() - ref).abs().max())
 
-    ctx = seq_lens - new
-    qsl = torch.zeros(4, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(new, 0)
-    key = torch.cat([k[c:] for k, c in zip(ks, ctx.tolist())])
-    value = torch.cat([v[c:] for v, c in zip(vs, ctx.tolist())])
+    ctx, qsl, key, value = prefix_batch(seq_lens, new, ks, vs)
     q2 = torch.randn(int(new.sum()), heads, d, generator=g)
     pre_values = dict(query=q2, key=key, value=value, kv_cache_dtype="auto", key_cache=kc,
                       value_cache=vc, block_tables=block_tables, query_start_loc=qsl,
                       seq_lens_tensor=seq_lens, context_lens=ctx, max_query_len=int(new.max()),
                       alibi_slopes=None, sliding_window=None, k_scale=scale_one, v_scale=scale_one)
     out2 = pa.PagedAttention.forward_prefix(*[pre_values[p] for p in family.prefix_params])
-    ref2 = prefix_ref(q2, kc, vc, block_tables, qsl, seq_lens, ctx, key, value, d ** -0.5)
+    ref2 = ref_prefix(q2, key, value, kc, vc, block_tables, qsl, seq_lens, ctx, d ** -0.5)
     prefix_err = float((out2.double() - ref2).abs().max())
     return {"decode_err": decode_err, "prefix_err": prefix_err,
             "native_write": used_native_write}
@@ -122,7 +100,7 @@ def mode_startup():
             methods = sorted(n for n in ("forward_decode", "forward_prefix")
                              if cls is not None and n in vars(cls))
         finders = [type(f).__name__ for f in sys.meta_path]
-        emit(supported=False, status=shim.status(), paged_attn=has_pa, methods=methods,
+        report(supported=False, status=shim.status(), paged_attn=has_pa, methods=methods,
              finders=finders, prefix=prefix_state())
         return
     pa = importlib.import_module(PA)
@@ -148,7 +126,7 @@ def mode_startup():
     result["reapplied"] = patched_state(cls)
     result["same_originals"] = all(registry.get_original(cls, n) is d
                                    for n, d in originals.items())
-    emit(**result)
+    report(**result)
 
 
 def mode_late():
@@ -170,7 +148,7 @@ def mode_late():
     patched = patched_state(cls)
     bound_substitute = vars(pa).get("context_attention_fwd") is import_guard.context_attention_fwd
     shim.revert()
-    emit(prefix_before=prefix_before, patched=patched, active_at_start=active_at_start,
+    report(prefix_before=prefix_before, patched=patched, active_at_start=active_at_start,
          had_binding=binding_before is not None, bound_substitute=bound_substitute,
          exact=all(vars(cls)[n] is d for n, d in before.items()),
          binding_restored=vars(pa).get("context_attention_fwd") is binding_before,
@@ -185,7 +163,7 @@ def mode_killswitch():
     pa = importlib.import_module(PA) if importlib.util.find_spec(PA) else None
     cls = vars(pa).get("PagedAttention") if pa else None
     st = shim.apply()
-    emit(patched=patched_state(cls) if cls and "forward_decode" in vars(cls) else None,
+    report(patched=patched_state(cls) if cls and "forward_decode" in vars(cls) else None,
          prefix=prefix_state(), status=st, finders=[type(f).__module__ for f in sys.meta_path],
          binds_triton=bool(pa) and "context_attention_fwd" in vars(pa))
 
@@ -209,7 +187,7 @@ def mode_children():
         p.start()
         out[method] = q.get(timeout=600)
         p.join(60)
-    emit(children=out)
+    report(children=out)
 
 
 def mode_unknown():
@@ -226,7 +204,7 @@ def mode_unknown():
     import vllm_bi100_patch as shim
 
     pa = importlib.import_module(PA)
-    emit(patched=patched_state(pa.PagedAttention), status=shim.status(), prefix=prefix_state())
+    report(patched=patched_state(pa.PagedAttention), status=shim.status(), prefix=prefix_state())
 
 
 if __name__ == "__main__":

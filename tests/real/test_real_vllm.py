@@ -7,12 +7,10 @@ from its wheel, so sitecustomize, the .pth line and the entry point are the real
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.probes import run_probe
 
 pytestmark = pytest.mark.real_vllm
 
@@ -40,19 +38,10 @@ def _supported():
 
 
 def probe(mode, **env):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI100")}
-    full.pop("PYTHONPATH", None)
-    full.update({"VLLM_BI100_PATCH": "1", "VLLM_LOGGING_LEVEL": "INFO"}, **env)
-    proc = subprocess.run([sys.executable, PROBE, mode], env=full, capture_output=True,
-                          text=True, timeout=900, cwd=HERE)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@REPORT@@")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"probe {mode} failed rc={proc.returncode}\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-8000:]}")
-    # vLLM's own logging configuration writes to stdout; the shim's lines go through it.
-    log = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines()
-                    if not ln.startswith("@@REPORT@@"))
-    return json.loads(lines[-1][len("@@REPORT@@"):]), log
+    # vLLM's own logging configuration writes to stdout; the shim's lines go through it (the
+    # log returned is stdout and stderr without the report lines).
+    return run_probe(PROBE, mode, {"VLLM_BI100_PATCH": "1", "VLLM_LOGGING_LEVEL": "INFO", **env},
+                     timeout=900)
 
 
 def test_environment_holds_the_expected_release():

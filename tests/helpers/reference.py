@@ -1,6 +1,10 @@
-"""Test helpers: random paged caches, a dense float64 reference (independent gather), and
-the reference-grid inputs and tolerances shared by the pytest suite and the plain device
-checks (``device_checks.py``).  Needs torch only (no pytest)."""
+"""The one dense reference and the paged-cache builders, for every layer's tests.
+
+Written independently of the kernels: token-by-token gathers, float64, explicit masks.
+Caches in vLLM's layout (key ``[blocks, kv_heads, d / x, block_size, x]``, value
+``[blocks, kv_heads, d, block_size]``); fp8 caches are uint8 tensors.  Also the reference-grid
+inputs and tolerances shared by the pytest suite and the plain device checks
+(``tests/kernels/device_checks.py``).  Needs torch only (no pytest, no vLLM, no shim)."""
 
 from __future__ import annotations
 
@@ -28,13 +32,38 @@ def fp8_available(name: str = "fp8") -> bool:
     return hasattr(torch, FP8[name])
 
 
+def x_of(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: the innermost dimension of vLLM's key cache."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def empty_caches(num_blocks: int, kv_heads: int, head_size: int, block_size: int,
+                 dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed key/value caches (tokens are put in with ``write``)."""
+    x = x_of(dtype)
+    key_cache = torch.zeros(num_blocks, kv_heads, head_size // x, block_size, x, dtype=dtype)
+    value_cache = torch.zeros(num_blocks, kv_heads, head_size, block_size, dtype=dtype)
+    return key_cache, value_cache
+
+
+def write(key_cache: torch.Tensor, value_cache: torch.Tensor, table_row: torch.Tensor,
+          start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write tokens ``start .. start+len(k)`` of one sequence (k, v: [n, kv_heads, d])."""
+    block_size = value_cache.shape[3]
+    x = key_cache.shape[4]
+    for t in range(k.shape[0]):
+        pos = start + t
+        blk = int(table_row[pos // block_size])
+        off = pos % block_size
+        key_cache[blk, :, :, off, :] = k[t].reshape(k.shape[1], -1, x)
+        value_cache[blk, :, :, off] = v[t]
+
+
 def make_cache(num_blocks: int, kv_heads: int, head_size: int, block_size: int,
                dtype: torch.dtype, kv_cache_dtype: str = "auto",
                gen: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random key/value caches in vLLM's layout; fp8 caches are uint8 tensors."""
-    store = torch.uint8 if kv_cache_dtype != "auto" else dtype
-    elem = torch.empty((), dtype=store).element_size()
-    x = 16 // elem
+    x = x_of(torch.uint8 if kv_cache_dtype != "auto" else dtype)
     k = torch.randn(num_blocks, kv_heads, head_size // x, block_size, x, generator=gen)
     v = torch.randn(num_blocks, kv_heads, head_size, block_size, generator=gen)
     if kv_cache_dtype == "auto":
@@ -56,6 +85,38 @@ def make_tables(seq_lens: Sequence[int], block_size: int, width: int, num_blocks
         table[i, :n] = perm[at:at + n].to(torch.int32)
         at += n
     return table
+
+
+def paged_batch(seq_lens: Sequence[int], kv_heads: int, head_size: int, block_size: int,
+                num_blocks: int, width: int, gen: torch.Generator,
+                dtype: torch.dtype = torch.float32):
+    """Sequences of random K/V written into zeroed caches through a random block table
+    (``width`` entries a row).  Returns ``key_cache, value_cache, block_tables, ks, vs`` with
+    the dense per-sequence ``ks[i]``/``vs[i]`` [seq_lens[i], kv_heads, head_size]."""
+    key_cache, value_cache = empty_caches(num_blocks, kv_heads, head_size, block_size, dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[:len(seq_lens) * width].reshape(len(seq_lens), width).to(torch.int32)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
+        v = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
+        write(key_cache, value_cache, tables[i], 0, k, v)
+        ks.append(k)
+        vs.append(v)
+    return key_cache, value_cache, tables, ks, vs
+
+
+def prefix_batch(seq_lens: torch.Tensor, new: torch.Tensor, ks: Sequence[torch.Tensor],
+                 vs: Sequence[torch.Tensor]):
+    """The prefill step of sequences whose last ``new[i]`` of ``seq_lens[i]`` tokens are new
+    (dense K/V ``ks[i]``/``vs[i]``): ``context_lens, query_start_loc, key, value`` with the
+    new tokens' K/V concatenated in batch order."""
+    context_lens = seq_lens - new
+    query_start_loc = torch.zeros(len(new) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(new, 0)
+    key = torch.cat([k[c:] for k, c in zip(ks, context_lens.tolist())])
+    value = torch.cat([v[c:] for v, c in zip(vs, context_lens.tolist())])
+    return context_lens, query_start_loc, key, value
 
 
 def gather_seq(key_cache: torch.Tensor, value_cache: torch.Tensor, table_row: torch.Tensor,
@@ -90,8 +151,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Sequence[in
            window: Optional[int] = None) -> torch.Tensor:
     """Plain softmax attention in float64 with causal mask by absolute position.
 
-    q [nq, H, D], k/v [nk, KVH, D] (key j at position j); returns [nq, H, D]; a query
-    that sees no key gets zeros.
+    q [nq, H, D], k/v [nk, KVH, D] (key j at position j; any dtype); returns [nq, H, D];
+    a query that sees no key gets zeros.
     """
     nq, heads, d = q.shape
     nk, kv_heads, _ = k.shape
@@ -99,8 +160,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Sequence[in
     out = torch.zeros(nq, heads, d, dtype=torch.float64)
     if nk == 0:
         return out
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
+    k = k.to(torch.float64).repeat_interleave(group, dim=1)
+    v = v.to(torch.float64).repeat_interleave(group, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.to(torch.float64), k) * scale
     qp = torch.tensor(list(q_pos), dtype=torch.float64).view(1, nq, 1)
     kp = torch.arange(nk, dtype=torch.float64).view(1, 1, nk)
@@ -117,6 +178,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Sequence[in
 
 def ref_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
+    """Each sequence's one query (at position ``seq_lens[i] - 1``) over its cached tokens;
+    an empty sequence gets zeros."""
     outs = []
     for i in range(query.shape[0]):
         n = int(seq_lens[i])
@@ -129,11 +192,17 @@ def ref_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
 def ref_prefix(query, key, value, key_cache, value_cache, block_tables, query_start_loc,
                seq_lens, context_lens, scale, alibi_slopes=None, sliding_window=None,
                kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
+    """Queries ``query_start_loc[i]:query_start_loc[i+1]`` (new tokens at positions
+    ``context_lens[i]`` on, their K/V in ``key``/``value``) over the cached context plus the
+    new tokens; ``sliding_window`` w: a query sees the last w positions, itself included."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     starts = [int(v) for v in query_start_loc]
     for i in range(len(starts) - 1):
         a, b = starts[i], starts[i + 1]
         ctx = int(context_lens[i])
+        if int(seq_lens[i]) != ctx + b - a:
+            raise ValueError(f"seq_lens[{i}] must be context_lens[{i}] + its query count "
+                             f"({ctx} + {b - a}), got {int(seq_lens[i])}")
         kc, vc = gather_seq(key_cache, value_cache, block_tables[i], ctx, kv_cache_dtype,
                             k_scale, v_scale)
         k = torch.cat([kc, key[a:b].to(torch.float64)])
