@@ -1,5 +1,6 @@
-"""Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, and three real
-vLLM releases from different signature families. ``nox -s matrix`` runs every release line.
+"""Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, the stand-in of
+Iluvatar's CoreX 3.2.3 build, and three real vLLM releases from different signature families.
+``nox -s matrix`` runs every release line, the stand-in and the kernels on torch 2.1.
 
 Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env/,
 docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
