@@ -238,6 +238,17 @@ def scores_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return product if product.dtype == torch.float32 else product.float()
 
 
+def as_count(name: str, value: object) -> int:
+    """``value`` as an int >= 0 (``max_seq_len`` and the like), else ValueError naming it."""
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return number
+
+
 def ceil_div(a: int, b: int) -> int:
     """Integer ceiling division for non-negative ``a`` and positive ``b``."""
     return -(-a // b)

@@ -29,6 +29,7 @@ import torch
 from ._common import (
     ScaleLike,
     accumulate_bmm,
+    as_count,
     ceil_div,
     check_alibi,
     check_cache,
@@ -134,12 +135,7 @@ def paged_decode(
     block_size = spec.block_size
     table_width = block_tables.shape[1]
     if max_seq_len is not None:
-        try:
-            max_seq_len = int(max_seq_len)
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"max_seq_len must be an integer >= 0, got {max_seq_len!r}") from None
-        if max_seq_len < 0:
-            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+        max_seq_len = as_count("max_seq_len", max_seq_len)
         # An inflated bound (vLLM passes max_seq_len_to_capture under CUDA graphs) never
         # widens the gather past the table.
         width = min(ceil_div(max_seq_len, block_size), table_width)

@@ -35,7 +35,7 @@ import torch
 
 from .._log import log
 from . import native
-from ._common import ScaleLike, ceil_div
+from ._common import ScaleLike, as_count, ceil_div
 from .decode import paged_decode
 
 __all__ = [
@@ -165,7 +165,7 @@ def decode(
             not match the cache, a ``max_seq_len`` that is not an integer >= 0.
     """
     num_seqs, num_heads, head_size = query.shape
-    max_seq_len = _as_int("max_seq_len", max_seq_len)
+    max_seq_len = as_count("max_seq_len", max_seq_len)
     if kv_scale is not None:
         k_scale = v_scale = kv_scale
     kv_heads = int(key_cache.shape[1]) if key_cache.dim() >= 2 else 0
@@ -298,16 +298,6 @@ def describe(ops: Any, routing: DecodeRouting) -> Dict[str, Any]:
         if v1 and not profile.v1.takes_scales:
             bands.append("fp8 KV cache: V1 takes no scales, so not V1")
     return {"native_ops": profile.describe(), "v1_limit": limit, "bands": bands}
-
-
-def _as_int(name: str, value: Any) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return number
 
 
 # --- the actual longest sequence, without syncs that matter -------------------------------
