@@ -151,16 +151,24 @@ def _signature(func: Callable[..., Any]) -> Tuple[Optional[Tuple[str, ...]], Lis
     return params, defaults
 
 
+def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable[..., Any]]]:
+    """The parsed source of ``func`` and the function it was read from, looking through
+    ``functools.wraps`` wrappers; None when the source cannot be read (builtins, C ops)."""
+    try:
+        inner = inspect.unwrap(func)
+        return ast.parse(textwrap.dedent(inspect.getsource(inner))), inner
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+
+
 def only_raises_not_implemented(func: Callable[..., Any]) -> bool:
     """True when the function's body (after any docstring) is one ``raise
     NotImplementedError[(...)]``.  Wrappers (``functools.wraps``) are looked through; a
     function whose source cannot be read is assumed to be real."""
-    try:
-        inner = inspect.unwrap(func)
-        source = textwrap.dedent(inspect.getsource(inner))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError, ValueError):
+    parsed = source_tree(func)
+    if parsed is None:
         return False
+    tree = parsed[0]
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if len(defs) != 1:
         return False

@@ -14,13 +14,11 @@ Imported only once vLLM's ``paged_attn`` is; never imports vLLM itself.
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
-from ..kernels import blocks
+from ..kernels import blocks, native
 from ..versions import Family
 from .paged_attention import ArgReader, Wrapper, _count
 
@@ -32,13 +30,11 @@ def missing_call(func: Callable[..., Any]) -> Optional[str]:
     """``"module.name"`` when ``func`` calls ``X.name(...)`` where ``X`` is one of its module
     globals bound to a module that has no attribute ``name``; None otherwise (also when the
     source cannot be read)."""
-    try:
-        inner = inspect.unwrap(func)
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
-        globals_ = inner.__globals__
-    except (OSError, TypeError, SyntaxError, ValueError, AttributeError):
+    parsed = native.source_tree(func)
+    globals_ = getattr(parsed[1], "__globals__", None) if parsed else None
+    if parsed is None or globals_ is None:
         return None
-    for node in ast.walk(tree):
+    for node in ast.walk(parsed[0]):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and isinstance(node.func.value, ast.Name):
             target = globals_.get(node.func.value.id)
