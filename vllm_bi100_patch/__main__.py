@@ -174,36 +174,40 @@ def _is_our_sitecustomize(path: str) -> bool:
         return False
 
 
-def _code_checks(settings: config.Settings, family: versions.Family) -> List[Check]:
-    """Import vLLM's paged_attn (behind the import guard) and check each patch's target."""
-    from . import import_guard, registry
+def _code_checks(settings: config.Settings, family: versions.Family
+                 ) -> Tuple[List[Check], List[str]]:
+    """Import each module the patch table targets (behind the import guard) and check its rows,
+    as ``registry.apply_to`` does; also returns the conditional patches this build needs."""
+    import importlib
+
+    from . import import_guard, registry, table
 
     if not settings.off and "import_guard" not in settings.disabled:
         import_guard.install()  # importing paged_attn must not pull in the Triton module
-    try:
-        import vllm.attention.ops.paged_attn as module
-    except Exception as exc:
-        return [("FAIL", "import paged_attn", f"{type(exc).__name__}: {exc}")]
-    cls = vars(module).get(registry.TARGET_CLASS)
-    if not isinstance(cls, type):
-        return [("FAIL", registry.TARGET_CLASS, "class missing")]
     out: List[Check] = []
-    for spec in registry.specs_for(module.__name__):
-        unneeded = spec.not_needed(module) if spec.row.when is not None else None
-        if unneeded:
-            out.append(("info", f"code check {spec.attr}", f"not needed in this build: "
-                        f"{unneeded}"))
+    needed: List[str] = []
+    for name in table.hooked_modules():
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:
+            out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
             continue
-        problem = registry.check_code(cls, spec, family)
-        out.append(("ok" if problem is None else "FAIL", f"code check {spec.attr}",
-                    problem or f"family {family.name}"))
-    return out
-
-
-def registry_specs() -> List[Any]:
-    from . import registry
-
-    return list(registry.SPECS)
+        missing = registry.missing_classes(module)
+        if missing:
+            out += [("FAIL", cls, "class missing") for cls in missing]
+            continue
+        for spec, outcome, detail in registry.check_rows(module, family,
+                                                         registry.specs_for(name)):
+            label = f"code check {spec.attr}"
+            if outcome == "unneeded":
+                out.append(("info", label, f"not needed in this build: {detail}"))
+                continue
+            out.append(("ok" if outcome == "ok" else "FAIL", label,
+                        detail or f"family {family.name}"))
+            if outcome == "ok" and spec.row.when is not None \
+                    and spec.name not in settings.disabled:
+                needed.append(spec.attr)
+    return out, needed
 
 
 def _native_section(settings: config.Settings) -> Section:
@@ -274,12 +278,9 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
     code_problems: Optional[List[str]] = None
     conditional: List[str] = []
     if family is not None and _bootstrap.gate(settings) is None:
-        checks = _code_checks(settings, family)
+        checks, conditional = _code_checks(settings, family)
         sections.append(Section("code checks", checks))
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
-        conditional = [s.attr for s in registry_specs() if s.row.when is not None
-                       and s.name not in settings.disabled
-                       and ("ok", f"code check {s.attr}") in [(c[0], c[1]) for c in checks]]
         if "vllm.attention.ops.paged_attn" in sys.modules:
             sections.append(_native_section(settings))
         facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)

@@ -23,9 +23,6 @@ import wrapt
 from . import config, decision, table, versions
 from ._log import log
 
-TARGET_MODULE = table.PAGED_ATTN
-TARGET_CLASS = "PagedAttention"
-
 
 class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
     """The shim's wrapper type; ``type(x) is PatchWrapper`` recognises our own patch (an
@@ -190,13 +187,39 @@ def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Opt
     return None
 
 
+#: The outcome of checking one row against a module: ``"unneeded"`` (a conditional row this
+#: build does not need), ``"ok"`` or ``"fail"``, with the reason or the problem.
+Check = Tuple[PatchSpec, str, str]
+
+
+def check_rows(module: types.ModuleType, family: versions.Family,
+               specs: List[PatchSpec]) -> List[Check]:
+    """Check ``specs`` against ``module``: a conditional row is first asked whether this build
+    needs it (only needed rows are code-checked), then each row's code is checked. The one loop
+    both ``apply_to`` and doctor use; the owner classes must exist (see ``missing_classes``)."""
+    out: List[Check] = []
+    for spec in specs:
+        unneeded = spec.not_needed(module)
+        if unneeded:
+            out.append((spec, "unneeded", unneeded))
+            continue
+        problem = check_code(vars(module)[spec.owner], spec, family)
+        out.append((spec, "fail", problem) if problem else (spec, "ok", ""))
+    return out
+
+
+def missing_classes(module: types.ModuleType) -> List[str]:
+    """The owner classes of ``module``'s rows that the module does not define."""
+    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__))
+    return [name for name in owners if not isinstance(vars(module).get(name), type)]
+
+
 def specs_for(module_name: str) -> List[PatchSpec]:
     """The method rows that target ``module_name``."""
     return [s for s in SPECS if s.module == module_name]
 
 
-def _enabled_specs(settings: config.Settings, module_name: str = TARGET_MODULE
-                   ) -> List[PatchSpec]:
+def _enabled_specs(settings: config.Settings, module_name: str) -> List[PatchSpec]:
     return [s for s in specs_for(module_name) if s.name not in settings.disabled]
 
 
@@ -210,9 +233,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         info = versions.installed_vllm_version()
         report.vllm_version = info.raw
         specs = specs_for(module.__name__)
-        owners = {s.owner for s in specs}
-        classes = {name: vars(module).get(name) for name in owners}
-        missing = [n for n, c in classes.items() if not isinstance(c, type)]
+        missing = missing_classes(module)
         for spec in specs:
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
@@ -224,22 +245,21 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         if verdict.kind == decision.PATCH:
             assert family is not None
             failures = []
-            for spec in _enabled_specs(settings, module.__name__):
-                unneeded = spec.not_needed(module)  # conditional rows: only where needed
-                if unneeded:
-                    report.skipped[spec.name] = "not needed: " + unneeded
+            for spec, outcome, detail in check_rows(module, family,
+                                                    _enabled_specs(settings, module.__name__)):
+                if outcome == "unneeded":
+                    report.skipped[spec.name] = "not needed: " + detail
                     continue
-                problem = check_code(classes[spec.owner], spec, family)  # type: ignore[arg-type]
-                report.checks[spec.attr] = problem or "ok"
-                if problem:
-                    failures.append(problem)
+                report.checks[spec.attr] = detail or "ok"
+                if outcome == "fail":
+                    failures.append(detail)
                 else:
                     todo.append(spec)
             verdict = decision.decide(settings, info, force=True, code_problems=failures)
         if verdict.kind == decision.PATCH:
             assert family is not None
             try:
-                _patch_all(classes, module, family, todo, report, settings)
+                _patch_all(module, family, todo, report, settings)
             except Exception as exc:
                 report.applied.clear()
                 report.reason = (f"patching failed and was rolled back "
@@ -256,12 +276,12 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         return report
 
 
-def _patch_all(classes: Dict[str, Any], module: types.ModuleType, family: versions.Family,
-               specs: List[PatchSpec], report: Report, settings: config.Settings) -> None:
+def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[PatchSpec],
+               report: Report, settings: config.Settings) -> None:
     done: List[Tuple[type, str]] = []
     try:
         for spec in specs:
-            owner, desc = find_descriptor(classes[spec.owner], spec.attr)
+            owner, desc = find_descriptor(vars(module)[spec.owner], spec.attr)
             assert owner is not None  # check_code passed
             key = (owner, spec.attr)
             if is_ours(desc):
