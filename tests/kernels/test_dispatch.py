@@ -283,3 +283,20 @@ def test_fallback_through_module_without_kernels_matches_reference():
     torch.testing.assert_close(out.double(), ref_decode(q, kc, vc, bt, sl, 0.125), atol=2e-5,
                                rtol=0)
     assert dispatch.route_counts() == {"native_v1": 0, "native_v2": 0, "fallback": 1}
+
+
+@pytest.mark.parametrize("which, bad, message", [
+    (0, lambda t: t[0], r"query must be 3-D \[num_seqs, num_heads, head_size\], got shape "
+                        r"\(4, 64\)"),
+    (0, lambda t: None, r"query must be a 3-D tensor .* got NoneType"),
+    (1, lambda t: t[..., 0], r"key_cache must be 5-D \[num_blocks, num_kv_heads, "
+                             r"head_size // x, block_size, x\], got shape"),
+    (2, lambda t: None, r"value_cache must be a 4-D tensor .* got NoneType"),
+    (4, lambda t: t.tolist(), r"seq_lens must be a 1-D tensor \[num_seqs\], got list"),
+])
+def test_malformed_arguments_are_named(which, bad, message):
+    inputs = _inputs()
+    inputs[which] = bad(inputs[which])
+    for ops in (None, FakeOps()):
+        with pytest.raises(ValueError, match=message):
+            _decode(inputs, 30, ops=ops)

@@ -294,3 +294,152 @@ def test_describe_bands_for_the_vendor_build():
                                  "max_seq_len > 32768: pure-PyTorch decode (no V2)"]
     assert "fp8 KV cache: V1 takes no scales, so not V1" in desc["bands"]
     assert dispatch.describe(None, DecodeRouting())["native_ops"] is None
+
+
+# --- max_seq_len is verified where that is free (issue 16, item 4) ------------------------
+
+
+def test_a_lying_max_seq_len_is_refused_before_v1_when_seq_lens_is_on_the_cpu():
+    # max_seq_len=100 for a real sequence of 40,000 tokens would send it to V1, whose shared
+    # memory is sized from max_seq_len: the card hangs (the fake ixformer raises BI100Hang).
+    ops = vendor_ops()
+    batch = _batch([40000], heads=8, kv=2, head_size=64)
+    with pytest.raises(ValueError, match=r"max_seq_len=100 is below the longest sequence in "
+                                         r"seq_lens \(40000\)"):
+        _run(batch, ops, max_seq_len=100)
+    assert ops.calls == [] and IXF.CALLS == {}
+
+
+def test_max_seq_len_on_a_device_is_checked_against_a_value_already_read(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    reads = []
+    monkeypatch.setattr(dispatch, "_read_longest", lambda sl: reads.append(sl) or 40000)
+    dispatch._longest_cache.update(ref=None, version=-1, value=0)
+    q, kc, vc, bt, sl, mapping = (t.to("meta") for t in _batch([10, 20]))
+    calls = []
+
+    def paged_attention_v1(output, query, key_cache, value_cache, head_mapping, scale,
+                           block_tables, context_lens, block_size, max_context_len,
+                           alibi_slopes=None, kv_cache_dtype=None):
+        calls.append(max_context_len)
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    # Not read yet, and reading would sync: trusted (vLLM computes it on the host).
+    dispatch.decode(q, kc, vc, bt, sl, 100, "auto", mapping, 0.1, None, ops=ops,
+                    routing=DecodeRouting())
+    assert calls == [100] and reads == []
+    # fallback_above reads the longest sequence of this step once: from then on it is free.
+    dispatch.decode(q, kc, vc, bt, sl, 40000, "auto", mapping, 0.1, None, ops=ops,
+                    routing=DecodeRouting(fallback_above=1000))
+    assert len(reads) == 1 and dispatch.route_counts()["fallback"] == 1
+    with pytest.raises(ValueError, match="max_seq_len=100 is below the longest"):
+        dispatch.decode(q, kc, vc, bt, sl, 100, "auto", mapping, 0.1, None, ops=ops,
+                        routing=DecodeRouting())
+    assert calls == [100]
+
+
+# --- kernels the adapter cannot call safely are absent (issue 16, item 5) -----------------
+
+
+def _vendor_v1_body(output, query, key_cache, value_cache, head_mapping, scale, block_tables,
+                    context_lens, block_size, max_context_len, alibi_slopes=None):
+    return IXF.vllm_single_query_cached_kv_attention(
+        output, query, key_cache, value_cache, head_mapping, scale, block_tables, context_lens,
+        block_size, max_context_len, alibi_slopes)
+
+
+def test_a_required_keyword_only_parameter_it_cannot_supply_makes_the_kernel_absent():
+    def paged_attention_v1(output, query, key_cache, value_cache, head_mapping, scale,
+                           block_tables, context_lens, block_size, max_context_len,
+                           alibi_slopes=None, *, stream):
+        raise AssertionError("called without its stream")
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    prof = native.NativeOps.of(ops)
+    assert not prof.v1.present and "['stream']" in prof.v1.absent_reason
+    batch = _batch([30])
+    _check(_run(batch, ops), batch)
+    assert dispatch.route_counts()["fallback"] == 1
+    assert "absent (required parameters" in dispatch.describe(ops, DecodeRouting())[
+        "native_ops"]["paged_attention_v1"]
+
+
+def test_a_keyword_only_parameter_it_knows_is_passed_by_keyword():
+    def paged_attention_v1(output, query, key_cache, value_cache, head_mapping, scale,
+                           block_tables, context_lens, block_size, max_context_len, *,
+                           alibi_slopes):
+        _vendor_v1_body(output, query, key_cache, value_cache, head_mapping, scale,
+                        block_tables, context_lens, block_size, max_context_len, alibi_slopes)
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    batch = _batch([30, 50])
+    _check(_run(batch, ops), batch)
+    assert dispatch.route_counts()["native_v1"] == 1
+
+
+def test_a_kwargs_forwarder_is_absent_never_called_without_arguments():
+    called = []
+
+    def paged_attention_v1(**kw):  # tolerates no arguments: would return uninitialised memory
+        called.append(kw)
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    prof = native.NativeOps.of(ops)
+    assert not prof.v1.present and "**kwargs" in prof.v1.absent_reason
+    batch = _batch([30])
+    _check(_run(batch, ops), batch)
+    assert called == [] and dispatch.route_counts() == {"native_v1": 0, "native_v2": 0,
+                                                        "fallback": 1}
+    assert "**kwargs" in dispatch.describe(ops, DecodeRouting())["native_ops"][
+        "paged_attention_v1"]
+
+
+def test_positional_only_parameters_after_a_skipped_default_are_passed_positionally():
+    seen = []
+
+    def paged_attention_v1(output, query, key_cache, value_cache, head_mapping, scale,
+                           block_tables, context_lens, block_size, max_context_len,
+                           alibi_slopes=None, kv_cache_dtype=None, tp_rank=0, /):
+        seen.append((kv_cache_dtype, tp_rank))
+        _vendor_v1_body(output, query, key_cache, value_cache, head_mapping, scale,
+                        block_tables, context_lens, block_size, max_context_len, alibi_slopes)
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    batch = _batch([30])
+    _check(_run(batch, ops, tp_rank=0), batch)
+    assert seen == [(None, 0)]  # kv_cache_dtype left at its default, tp_rank after it
+
+
+# --- head_mapping dtype and device (issue 16, item 6) --------------------------------------
+
+
+def test_an_int64_head_mapping_reaches_the_vendor_kernel_as_int32():
+    batch = _batch([40, 70])
+    ops = vendor_ops()
+    out = _run(batch, ops, num_kv_heads=batch[5].long())
+    _check(out, batch)  # the fake ixformer refuses anything but int32
+    assert ops.calls == [("v1", 11)]
+
+
+def test_an_int64_head_mapping_is_converted_without_a_host_read(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, kc, vc, bt, sl, mapping = (t.to("meta") for t in _batch([10, 20]))
+    got = []
+
+    def paged_attention_v1(output, query, key_cache, value_cache, head_mapping, scale,
+                           block_tables, context_lens, block_size, max_context_len,
+                           alibi_slopes=None, kv_cache_dtype=None):
+        got.append(head_mapping)
+
+    ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
+    dispatch.decode(q, kc, vc, bt, sl, 20, "auto", mapping.long(), 0.1, None, ops=ops,
+                    routing=DecodeRouting())
+    assert got[0].dtype == torch.int32 and got[0].device.type == "meta"
+
+
+def test_a_head_mapping_on_another_device_is_refused_by_name():
+    batch = _batch([10])
+    ops = vendor_ops()
+    with pytest.raises(ValueError, match="head_mapping tensor on meta, but the query is on cpu"):
+        _run(batch, ops, num_kv_heads=batch[5].to("meta"))
+    assert ops.calls == []

@@ -164,12 +164,13 @@ def decode(
         ValueError: a ``head_mapping`` of the wrong shape, an int ``num_kv_heads`` that does
             not match the cache, a ``max_seq_len`` that is not an integer >= 0.
     """
+    check_shapes(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_size = query.shape
     max_seq_len = as_count("max_seq_len", max_seq_len)
     if kv_scale is not None:
         k_scale = v_scale = kv_scale
-    kv_heads = int(key_cache.shape[1]) if key_cache.dim() >= 2 else 0
-    native.check_head_mapping(num_kv_heads, num_heads, kv_heads)
+    native.check_head_mapping(num_kv_heads, num_heads, int(key_cache.shape[1]), query.device)
+    verify_bound(seq_lens, max_seq_len)
     blocksparse = blocksparse_vert_stride is not None and blocksparse_vert_stride > 1
     profile = native.NativeOps.of(ops) if ops is not None else None
 
@@ -217,6 +218,40 @@ def decode(
     return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                         alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype,
                         k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
+
+
+_RANKS = (("query", 3, "[num_seqs, num_heads, head_size]"),
+          ("key_cache", 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]"),
+          ("value_cache", 4, "[num_blocks, num_kv_heads, head_size, block_size]"),
+          ("block_tables", 2, "[num_seqs, max_blocks_per_seq]"),
+          ("seq_lens", 1, "[num_seqs]"))
+
+
+def check_shapes(*tensors: Any) -> None:
+    """``query, key_cache, value_cache, block_tables, seq_lens`` are tensors of the ranks
+    vLLM passes; else ValueError naming the argument (metadata only: no device read)."""
+    for (name, rank, layout), t in zip(_RANKS, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a {rank}-D tensor {layout}, got "
+                             f"{type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def verify_bound(seq_lens: torch.Tensor, max_seq_len: int) -> None:
+    """``max_seq_len`` must bound every sequence: it alone decides whether V1 may run (V1
+    sizes its shared memory from it; a longer sequence overruns it and hangs BI-V100).
+
+    Checked where it is free: CPU ``seq_lens`` (read once per tensor version), or a device
+    ``seq_lens`` whose longest value this step already read (``fallback_above``).  Otherwise
+    it is trusted, as vLLM computes it from the same lengths on the host
+    (docs/bi100-limits.md, "max_seq_len"): reading a device tensor here would be a host sync
+    per step, and impossible during CUDA-graph capture."""
+    longest = _known_longest(seq_lens)
+    if longest is not None and longest > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence in "
+                         f"seq_lens ({longest}): it must bound every sequence (V1 sizes its "
+                         "shared memory from it)")
 
 
 def v1_limit(profile: Optional[native.NativeOps], routing: DecodeRouting) -> int:
@@ -327,14 +362,25 @@ def _longest(seq_lens: torch.Tensor, max_seq_len: int, threshold: int) -> int:
     """
     if max_seq_len <= threshold:
         return max_seq_len
-    if seq_lens.device.type == "cpu":
-        return int(seq_lens.max()) if seq_lens.numel() else 0
+    known = _known_longest(seq_lens)
+    if known is not None:
+        return known
     if _capturing():
         return max_seq_len
+    value = _read_longest(seq_lens)
+    _longest_cache.update(ref=weakref.ref(seq_lens), version=seq_lens._version, value=value)
+    return value
+
+
+def _known_longest(seq_lens: torch.Tensor) -> Optional[int]:
+    """The longest sequence when it costs no device sync: read from CPU ``seq_lens`` (once
+    per tensor version), or the value already read for this device tensor's version."""
     ref = _longest_cache["ref"]
     if ref is not None and ref() is seq_lens and _longest_cache["version"] == seq_lens._version:
         return int(_longest_cache["value"])
-    value = _read_longest(seq_lens)
+    if seq_lens.device.type != "cpu":
+        return None
+    value = int(seq_lens.max()) if seq_lens.numel() else 0
     _longest_cache.update(ref=weakref.ref(seq_lens), version=seq_lens._version, value=value)
     return value
 

@@ -30,7 +30,7 @@ import ast
 import inspect
 import textwrap
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,20 +78,21 @@ class KernelProfile:
     """One native kernel as this ops object defines it."""
 
     def __init__(self, name: str, func: Optional[Callable[..., Any]],
-                 params: Optional[Tuple[str, ...]], defaults: Sequence[str],
-                 absent_reason: Optional[str]) -> None:
+                 sig: Optional["Signature"], absent_reason: Optional[str]) -> None:
         self.name = name
         self.func = func
         #: Parameter names in order; None when the signature cannot be read (stock order used).
-        self.params = params
-        self.defaults = frozenset(defaults)
+        self.params = sig.params if sig is not None else None
+        self.kinds: Dict[str, Any] = dict(sig.kinds) if sig is not None else {}
+        self.default_values: Dict[str, Any] = dict(sig.defaults) if sig is not None else {}
+        self.defaults = frozenset(self.default_values)
         self.absent_reason = absent_reason
-        names = {ALIASES.get(p, p) for p in (params or ())}
+        names = {ALIASES.get(p, p) for p in (self.params or ())}
         self.takes_head_mapping = "head_mapping" in names
-        self.takes_scales = (params is None or all(s in names for s in _SCALES)
+        self.takes_scales = (self.params is None or all(s in names for s in _SCALES)
                              or "kv_scale" in names)
-        self.takes_kv_cache_dtype = params is None or "kv_cache_dtype" in names
-        self.takes_blocksparse = params is None or all(b in names for b in _BLOCKSPARSE)
+        self.takes_kv_cache_dtype = self.params is None or "kv_cache_dtype" in names
+        self.takes_blocksparse = self.params is None or all(b in names for b in _BLOCKSPARSE)
 
     @property
     def present(self) -> bool:
@@ -99,7 +100,10 @@ class KernelProfile:
 
     def build_args(self, values: Dict[str, Any], stock_order: Tuple[str, ...]
                    ) -> Tuple[List[Any], Dict[str, Any]]:
-        """Positional arguments (and keywords after an unknown defaulted parameter)."""
+        """Positional arguments, and keywords for keyword-only parameters and for those
+        after a defaulted parameter left at its default.  A positional-only parameter after
+        such a gap gets the skipped defaults passed positionally before it (it cannot be
+        passed by keyword)."""
         args: List[Any] = []
         kwargs: Dict[str, Any] = {}
         if self.params is None:  # e.g. a builtin or *args: positional only, stock order
@@ -110,21 +114,28 @@ class KernelProfile:
                     break
                 args.append(values[param])
             return args, kwargs
-        skipped = False
+        gap: List[Any] = []  # defaults of the parameters skipped since the last positional
         for param in self.params:
             key = ALIASES.get(param, param)
+            kind = self.kinds[param]
             if key == "kv_cache_dtype" and not self.takes_scales and param in self.defaults:
                 # A kernel without scales only ever sees "auto" caches (see _usable in
                 # dispatch); its kv_cache_dtype stays at its default, as its own build
                 # passes it (CoreX 3.2.3's V1 gets 11 arguments).
-                skipped = True
+                gap.append(self.default_values[param])
                 continue
             if key not in values:
                 if param in self.defaults:
-                    skipped = True  # leave its default; later values go by keyword
+                    gap.append(self.default_values[param])  # left at its default
                     continue
                 raise TypeError(f"{self.name}: no value for required parameter {param!r}")
-            if skipped:
+            if kind is inspect.Parameter.KEYWORD_ONLY:
+                kwargs[param] = values[key]
+            elif kind is inspect.Parameter.POSITIONAL_ONLY:
+                args.extend(gap)  # cannot go by keyword: fill the gap with the defaults
+                gap = []
+                args.append(values[key])
+            elif gap or kwargs:
                 kwargs[param] = values[key]
             else:
                 args.append(values[key])
@@ -138,17 +149,37 @@ class KernelProfile:
         return f"present ({len(self.params)} parameters)"
 
 
-def _signature(func: Callable[..., Any]) -> Tuple[Optional[Tuple[str, ...]], List[str]]:
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):
-        return None, []
-    if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
-        return None, []  # ``*args``: nothing to read names from; stock order
-    params = tuple(n for n, p in sig.parameters.items()
-                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    defaults = [n for n, p in sig.parameters.items() if p.default is not p.empty]
-    return params, defaults
+class Signature:
+    """What ``inspect.signature`` says about a kernel, kept whole: parameter names in order
+    with their kinds and defaults, and whether it takes ``*args`` / ``**kwargs``."""
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.readable = True
+        self.var_positional = self.var_keyword = False
+        self.kinds: Dict[str, Any] = {}
+        self.defaults: Dict[str, Any] = {}
+        try:
+            sig = inspect.signature(func)
+        except (TypeError, ValueError):
+            self.readable = False
+            return
+        for name, p in sig.parameters.items():
+            if p.kind is p.VAR_POSITIONAL:
+                self.var_positional = True
+            elif p.kind is p.VAR_KEYWORD:
+                self.var_keyword = True
+            else:
+                self.kinds[name] = p.kind
+                if p.default is not p.empty:
+                    self.defaults[name] = p.default
+
+    @property
+    def params(self) -> Optional[Tuple[str, ...]]:
+        """Named parameters in order; None when there are none to read (unreadable, or
+        ``*args``): the stock order is then used."""
+        if not self.readable or self.var_positional:
+            return None
+        return tuple(self.kinds)
 
 
 def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable[..., Any]]]:
@@ -187,17 +218,22 @@ def only_raises_not_implemented(func: Callable[..., Any]) -> bool:
 def _profile(ops: Any, name: str, stock: Tuple[str, ...]) -> KernelProfile:
     func = getattr(ops, name, None)
     if func is None or not callable(func):
-        return KernelProfile(name, None, None, (), "not defined by the ops module")
-    params, defaults = _signature(func)
+        return KernelProfile(name, None, None, "not defined by the ops module")
+    sig = Signature(func)
     reason = None
     if only_raises_not_implemented(func):
         reason = "its body only raises NotImplementedError"
-    elif params is not None:
+    elif sig.readable and sig.var_keyword and not sig.var_positional:
+        # e.g. ``def v1(**kw)``: its parameters cannot be read, so whatever it forwards to
+        # would get nothing (or the wrong thing): never called.
+        reason = ("it takes **kwargs, so the parameters it needs cannot be read from its "
+                  "signature")
+    elif sig.params is not None:
         known = set(stock) | set(ALIASES) | {"head_mapping", "kv_scale"}
-        unknown = [p for p in params if p not in known and p not in defaults]
+        unknown = [p for p in sig.params if p not in known and p not in sig.defaults]
         if unknown:
             reason = f"required parameters the dispatch cannot supply: {unknown}"
-    return KernelProfile(name, func, params, defaults, reason)
+    return KernelProfile(name, func, sig, reason)
 
 
 class NativeOps:
@@ -285,10 +321,13 @@ def kv_heads_of(num_kv_heads: Any, key_cache: torch.Tensor) -> int:
 
 
 def head_mapping_for(num_kv_heads: Any, num_heads: int, device: torch.device) -> torch.Tensor:
-    """The ``head_mapping`` tensor a vendor kernel takes: the one vLLM passed, unchanged, or
-    ``repeat_interleave(arange(num_kv_heads), num_heads // num_kv_heads)`` as int32 on
-    ``device`` (built once per device and shape)."""
+    """The ``head_mapping`` tensor a vendor kernel takes (int32, one entry per query head, on
+    the query's device): the one vLLM passed (an int64 one converted to int32 on its device:
+    no host read), or ``repeat_interleave(arange(num_kv_heads), num_heads // num_kv_heads)``
+    as int32 on ``device`` (built once per device and shape)."""
     if isinstance(num_kv_heads, torch.Tensor):
+        if num_kv_heads.dtype != torch.int32:
+            return num_kv_heads.to(torch.int32)  # a device kernel, no sync
         return num_kv_heads
     kv = int(num_kv_heads)
     key = (str(device), num_heads, kv)
@@ -300,9 +339,11 @@ def head_mapping_for(num_kv_heads: Any, num_heads: int, device: torch.device) ->
     return mapping
 
 
-def check_head_mapping(num_kv_heads: Any, num_heads: int, kv_heads: int) -> None:
-    """A ``head_mapping`` tensor must have one integer entry per query head, and an int
-    ``num_kv_heads`` must match the cache; checked from shapes only (no device read)."""
+def check_head_mapping(num_kv_heads: Any, num_heads: int, kv_heads: int,
+                       device: Optional[torch.device] = None) -> None:
+    """A ``head_mapping`` tensor must have one integer entry per query head and live on the
+    query's ``device``, and an int ``num_kv_heads`` must match the cache; checked from
+    metadata only (no device read)."""
     if isinstance(num_kv_heads, torch.Tensor):
         if num_kv_heads.dim() != 1 or num_kv_heads.shape[0] != num_heads or \
                 num_kv_heads.dtype not in (torch.int32, torch.int64):
@@ -310,6 +351,11 @@ def check_head_mapping(num_kv_heads: Any, num_heads: int, kv_heads: int) -> None
                 "num_kv_heads was passed as a head_mapping tensor, which must be 1-D int32/int64 "
                 f"with one entry per query head ({num_heads}); got shape "
                 f"{tuple(num_kv_heads.shape)}, dtype {num_kv_heads.dtype}")
+        if device is not None and num_kv_heads.device != device:
+            raise ValueError(
+                f"num_kv_heads was passed as a head_mapping tensor on {num_kv_heads.device}, "
+                f"but the query is on {device}: a kernel cannot read it there (moving it "
+                "would copy between devices on every call; build it on the query's device)")
         return
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
         raise ValueError(f"num_kv_heads must be an int or a head_mapping tensor, got "
