@@ -15,7 +15,7 @@ from helpers.reference import paged_batch, ref_decode
 
 import vllm_bi100_patch as shim
 from vllm_bi100_patch import _bootstrap, config, hardware, import_guard, registry
-from vllm_bi100_patch.kernels import dispatch
+from vllm_bi100_patch.native import decoder as dispatch
 from vllm_bi100_patch.patches import paged_attention
 
 PA = "vllm.attention.ops.paged_attn"
@@ -44,7 +44,6 @@ def server(fake_vllm_factory, env, monkeypatch):
         fake_vllm_factory(version)
         env(VLLM_BI100_PATCH="1", **variables)
         monkeypatch.setattr(hardware, "ixformer_present", lambda: True)
-        monkeypatch.setattr(paged_attention, "_native_checked", {})
         _bootstrap.bootstrap("sitecustomize")
         return importlib.import_module(PA)
 

@@ -74,9 +74,8 @@ def test_prefix_every_family(patched, version):
 
 @pytest.mark.parametrize("version", ["0.5.0", "0.6.3.post1", "0.8.5"])
 def test_native_route_passes_the_family_scales_through(patched, version, monkeypatch):
+    monkeypatch.setattr(hardware, "ixformer_present", lambda: True)  # asked at patch time
     mod, fam = patched(version)
-    monkeypatch.setattr(hardware, "ixformer_present", lambda: True)
-    monkeypatch.setattr(paged_attention, "_native_checked", {})
     ops = importlib.import_module("vllm._custom_ops")
     ops.CALLS.clear()
     g, kc, vc, bt, seq_lens, _, _ = _scenario(seed=2)
@@ -106,9 +105,8 @@ def test_fallback_when_vllm_ops_have_no_kernels_behind_them(patched, monkeypatch
     # vllm._custom_ops exposes paged_attention_v1/v2 as Python wrappers even where the
     # compiled kernels are missing (official CUDA wheels on a CPU torch): without ixformer and
     # without torch.ops._C kernels the patched decode must take the pure-PyTorch fallback.
+    monkeypatch.setattr(hardware, "ixformer_present", lambda: False)  # asked at patch time
     mod, fam = patched("0.6.3.post1")
-    monkeypatch.setattr(hardware, "ixformer_present", lambda: False)
-    monkeypatch.setattr(paged_attention, "_native_checked", {})
     ops = importlib.import_module("vllm._custom_ops")
     ops.CALLS.clear()
     before = paged_attention.call_counts()["decode_fallback"]

@@ -68,12 +68,19 @@ def revert() -> Dict[str, Any]:
 
 def status() -> Dict[str, Any]:
     """Facts about this process: configuration, vLLM version and family, what is patched,
-    the import guard, call and route counters. Imports nothing heavy, patches nothing."""
+    the import guard, call and route counters. Imports nothing heavy, patches nothing.
+
+    ``mode`` and ``disabled`` are the configuration this process acted on (read at its
+    activation); when the environment says otherwise now, ``config_live`` holds what it says
+    (it takes effect in new processes, or at the next ``apply()``)."""
     from . import _bootstrap, config, import_guard, versions
 
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
-    settings = config.load()
+    live = config.load()
+    with _bootstrap._lock:
+        acted = _bootstrap._settings
+    settings = acted if acted is not None else live
     data: Dict[str, Any] = {
         "shim_version": __version__,
         "mode": settings.mode,
@@ -87,7 +94,12 @@ def status() -> Dict[str, Any]:
         "counts": {},
         "native_ops": None,
         "serving_path": versions.serving_path_note(info),
+        "config_live": None,
     }
+    if (live.mode, live.raw.get(config.MODE), live.disabled) != (
+            settings.mode, settings.raw.get(config.MODE), settings.disabled):
+        data["config_live"] = {"mode": live.mode, "mode_raw": live.raw.get(config.MODE),
+                               "disabled": list(live.disabled)}
     with _bootstrap._lock:  # one consistent snapshot, never half an apply() or revert()
         data.update(_bootstrap.state())
         if "vllm_bi100_patch.registry" in sys.modules:

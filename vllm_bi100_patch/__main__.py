@@ -129,7 +129,8 @@ def _verdict(settings: config.Settings, info: versions.VersionInfo,
 
 STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
                "supported", "serving_path", "active", "decision", "activated_by", "patched",
-               "import_guard", "native_ops", "counts", "config_errors", "last_error"]
+               "import_guard", "native_ops", "counts", "config_errors", "last_error",
+               "config_live"]
 
 
 PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
@@ -189,8 +190,8 @@ def _code_checks(settings: config.Settings, family: versions.Family
     for name in table.hooked_modules():
         try:
             module = importlib.import_module(name)
-        except Exception as exc:
-            out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
+        except (Exception, SystemExit) as exc:  # a module may call sys.exit() at import
+            out.append(("FAIL", f"import {name}", _import_error(exc)))
             continue
         missing = registry.missing_classes(module)
         if missing:
@@ -208,6 +209,13 @@ def _code_checks(settings: config.Settings, family: versions.Family
                     and spec.name not in settings.disabled:
                 needed.append(spec.attr)
     return out, needed
+
+
+def _import_error(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return (f"SystemExit({exc.code!r}) raised at import (doctor reports it instead of "
+                "exiting with that code)")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _native_section(settings: config.Settings) -> Section:
@@ -290,8 +298,8 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
     elif family is None and info.raw is not None and _bootstrap.state()["active"]:
         try:  # what a server process sees: the version check at the import of vLLM
             import vllm  # noqa: F401
-        except Exception as exc:
-            sections[1].checks.append(("FAIL", "import vllm", f"{type(exc).__name__}: {exc}"))
+        except (Exception, SystemExit) as exc:
+            sections[1].checks.append(("FAIL", "import vllm", _import_error(exc)))
     result = verdict(settings, info, code_problems, any(s == "ok" for s, _, _ in paths),
                      conditional)
     sections.append(Section("this process (doctor itself, after the checks)",

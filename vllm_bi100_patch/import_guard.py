@@ -1,21 +1,10 @@
 """Keeps vLLM's Triton ``context_attention_fwd`` out of the process.
 
-Catalogue entry — ``vllm.attention.ops.prefix_prefill`` (the whole module)
-    Why:     its Triton kernel ``context_attention_fwd`` (chunked prefill, prefix caching)
-             hangs the BI-V100 card until reboot. From vLLM 0.6.5, merely importing the module
-             also queries the device (``has_device_capability(80)``).
-    How:     a ``sys.meta_path`` finder, installed first by the bootstrap, serves a substitute
-             module under that name. Its ``context_attention_fwd`` raises
-             ``TritonPrefixBlocked`` naming the caller: never a hang, never a silent wrong
-             result. The shim's own ``forward_prefix`` replacement never calls it. If the real
-             module was imported before the shim activated, the names ``context_attention_fwd``
-             already bound in vLLM's modules are re-pointed at the substitute (and restored on
-             uninstall).
-    vLLM:    every supported release (0.5.0 – 0.11.2): paged_attn.py imports it at top level
-             (under ``if HAS_TRITON:`` from 0.5.4); chunked_prefill_paged_decode.py too from 0.8.0.
-    Upstream: no fix; Iluvatar's stack has no working Triton for this kernel.
-    Removal: drop this module and ``import_guard`` from the registry once Iluvatar ships a
-             Triton that runs the kernel, or vLLM stops importing it on the V0 path.
+Its catalogue entry (why, how, vLLM versions, upstream, removal) is the ``import_guard`` row of
+``vllm_bi100_patch.table``.  Mechanism: a ``sys.meta_path`` finder, installed first by the
+bootstrap, serves a substitute ``vllm.attention.ops.prefix_prefill`` whose
+``context_attention_fwd`` raises ``TritonPrefixBlocked`` naming the caller; names already bound
+in vLLM's modules (``BINDERS``) are re-pointed at it, and restored on uninstall.
 """
 
 from __future__ import annotations

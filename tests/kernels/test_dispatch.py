@@ -8,8 +8,11 @@ import pytest
 import torch
 from helpers.reference import make_cache, make_tables, ref_decode
 
-from vllm_bi100_patch.kernels import dispatch
-from vllm_bi100_patch.kernels.dispatch import DecodeRouting
+from helpers import native_decode
+
+from vllm_bi100_patch.native import decoder as dispatch
+from vllm_bi100_patch.native import routes
+from vllm_bi100_patch.native.routes import Routing as DecodeRouting
 
 TAIL = (0, 0, 0, 64, 0)  # tp_rank, blocksparse_local_blocks, vert_stride, block_size, step
 
@@ -37,10 +40,12 @@ class FakeOps:
 @pytest.fixture(autouse=True)
 def _clean():
     dispatch.reset_route_counts()
-    dispatch._SCRATCH.clear()
+    dispatch.SCRATCH.clear()
     dispatch._longest_cache.update(ref=None, version=-1, value=0)
+    native_decode.forget()
     yield
-    dispatch._SCRATCH.clear()
+    dispatch.SCRATCH.clear()
+    native_decode.forget()
 
 
 def _inputs(num_seqs=2, heads=4, head_size=64, lens=(5, 30), block_size=16, dtype=torch.float32,
@@ -65,7 +70,7 @@ def _decode(inputs, max_seq_len, *, ops, routing=DEFAULT_ROUTING, scale_args=(1.
     k_scale, v_scale = scale_args if len(scale_args) == 2 else scale_args * 2
     names = ("tp_rank", "blocksparse_local_blocks", "blocksparse_vert_stride",
              "blocksparse_block_size", "blocksparse_head_sliding_step")
-    return dispatch.decode(q, kc, vc, bt, sl, max_seq_len, "auto", 2, 0.125, alibi,
+    return native_decode.decode(q, kc, vc, bt, sl, max_seq_len, "auto", 2, 0.125, alibi,
                            k_scale=k_scale, v_scale=v_scale, **dict(zip(names, tail)),
                            ops=ops, routing=routing)
 
@@ -109,7 +114,7 @@ def test_v2_occupancy_rule_and_shapes():
     (0, 1, 1, True),
 ])
 def test_use_v1_rule(max_seq_len, num_seqs, heads, expect):
-    assert dispatch.use_v1(num_seqs, heads, max_seq_len, DecodeRouting()) is expect
+    assert routes.use_v1(num_seqs, heads, max_seq_len, DecodeRouting(), 8192) is expect
 
 
 def test_smem_guard_never_v1_above_limit():
@@ -117,7 +122,7 @@ def test_smem_guard_never_v1_above_limit():
     _decode(_inputs(num_seqs=64, heads=4), 9000, ops=ops)  # 256 CTAs >= 80, but 9000 > 8192
     assert ops.calls[0][0] == "v2"
     routing = DecodeRouting(sm_count=1000)
-    assert not dispatch.use_v1(1, 1, 8193, routing)
+    assert not routes.use_v1(1, 1, 8193, routing, routes.v1_limit(routing, "stock"))
 
 
 def test_fallback_without_ops_matches_reference():
@@ -258,14 +263,14 @@ def test_scratch_used_in_capture_is_kept_when_it_grows(monkeypatch):
     captured_tmp = ops.calls[-1][1][2]
     capturing["on"] = False
     _decode(_inputs(num_seqs=2), 9000, ops=ops)  # grows
-    assert any(t.data_ptr() == captured_tmp.data_ptr() for t in dispatch._SCRATCH.retired)
+    assert any(t.data_ptr() == captured_tmp.data_ptr() for t in dispatch.SCRATCH.retired)
     stats_and_tmp_small = 2 * 1 * 4 * 2 * 4 + 1 * 4 * 2 * 64 * 4
     big = 2 * 2 * 4 * 18 * 4 + 2 * 4 * 18 * 64 * 4
     assert dispatch.scratch_bytes() == big + stats_and_tmp_small
 
 
 def test_any_ops_object_with_both_kernels_takes_the_native_route():
-    # dispatch.decode trusts the ops it is given: a plain namespace with the two functions is
+    # The decoder trusts the ops it is given: a plain namespace with the two functions is
     # native (V1 fills 1.0). Detecting an ops module without real kernels is the patch layer's
     # job: tests/test_patched_calls.py::test_fallback_when_vllm_ops_have_no_kernels_behind_them.
     ops = types.SimpleNamespace(paged_attention_v1=FakeOps().paged_attention_v1,
@@ -283,3 +288,20 @@ def test_fallback_through_module_without_kernels_matches_reference():
     torch.testing.assert_close(out.double(), ref_decode(q, kc, vc, bt, sl, 0.125), atol=2e-5,
                                rtol=0)
     assert dispatch.route_counts() == {"native_v1": 0, "native_v2": 0, "fallback": 1}
+
+
+@pytest.mark.parametrize("which, bad, message", [
+    (0, lambda t: t[0], r"query must be 3-D \[num_seqs, num_heads, head_size\], got shape "
+                        r"\(4, 64\)"),
+    (0, lambda t: None, r"query must be a 3-D tensor .* got NoneType"),
+    (1, lambda t: t[..., 0], r"key_cache must be 5-D \[num_blocks, num_kv_heads, "
+                             r"head_size // x, block_size, x\], got shape"),
+    (2, lambda t: None, r"value_cache must be a 4-D tensor .* got NoneType"),
+    (4, lambda t: t.tolist(), r"seq_lens must be a 1-D tensor \[num_seqs\], got list"),
+])
+def test_malformed_arguments_are_named(which, bad, message):
+    inputs = _inputs()
+    inputs[which] = bad(inputs[which])
+    for ops in (None, FakeOps()):
+        with pytest.raises(ValueError, match=message):
+            _decode(inputs, 30, ops=ops)

@@ -1,12 +1,11 @@
-"""Kernels layer: pure-PyTorch paged attention and the native decode dispatch.
-
-Nothing in this package imports vLLM; everything takes plain tensors.
+"""Kernels layer: pure-PyTorch paged attention, a leaf: it imports only torch and the package
+logger, knows no vLLM parameter names, and everything takes plain tensors.  The native decode
+kernels and the routing between them and these live in ``vllm_bi100_patch.native``.
 
 - ``paged_decode``: one query token per sequence over its paged KV cache, all sequences
   batched, no host sync (CUDA-graph capturable).
 - ``paged_prefix``: chunked prefill / prefix caching (replaces the Triton
   ``context_attention_fwd``), tiled under a memory budget.
-- ``dispatch.decode``: the native ``paged_attention_v1/v2`` versus fallback routing.
 """
 
 from .decode import paged_decode

@@ -18,7 +18,8 @@ import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
-from ..kernels import blocks, native
+from ..kernels import blocks
+from ..native import probe
 from ..versions import Family
 from .paged_attention import ArgReader, Wrapper, _count
 
@@ -30,7 +31,7 @@ def missing_call(func: Callable[..., Any]) -> Optional[str]:
     """``"module.name"`` when ``func`` calls ``X.name(...)`` where ``X`` is one of its module
     globals bound to a module that has no attribute ``name``; None otherwise (also when the
     source cannot be read)."""
-    parsed = native.source_tree(func)
+    parsed = probe.source_tree(func)
     globals_ = getattr(parsed[1], "__globals__", None) if parsed else None
     if parsed is None or globals_ is None:
         return None

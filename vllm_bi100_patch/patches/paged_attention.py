@@ -1,33 +1,11 @@
 """Replacements for ``PagedAttention.forward_decode`` and ``forward_prefix``.
 
-This module is imported only when ``vllm.attention.ops.paged_attn`` has been imported (torch is
-then loaded too). It adapts each signature family's arguments to the kernels' one internal
-signature; it never imports vLLM itself (the target module is handed in).
-
-Catalogue entry — ``vllm.attention.ops.paged_attn.PagedAttention.forward_decode``
-    Why:     vLLM's native ``paged_attention_v1`` keeps a whole sequence's logits in shared
-             memory and fails on long contexts on BI-V100; stock vLLM's V1/V2 rule is tuned for
-             NVIDIA SM counts.
-    How:     a wrapt ``FunctionWrapper`` (re-wrapped in ``staticmethod``) that reads the
-             family's arguments and calls ``kernels.dispatch.decode``: native v1/v2 through the
-             module's ``ops`` (ixformer-backed on Iluvatar builds) where safe — V1 only while
-             ``max_seq_len`` fits V1's shared memory, the V1/V2 choice from the BI-V100
-             occupancy rule — else the pure-PyTorch ``paged_decode``.
-    vLLM:    0.5.0 – 0.11.2, families in ``versions.FAMILIES`` (kv_scale vs k_scale/v_scale,
-             float vs Tensor scales).
-    Upstream: none; the method is gone in 0.12.0 (V0 engine removed).
-    Removal: when Iluvatar's vLLM build fixes long-context V1 and its dispatch, or when the
-             deployed vLLM is >= 0.12 (the registry already skips it there).
-
-Catalogue entry — ``vllm.attention.ops.paged_attn.PagedAttention.forward_prefix``
-    Why:     the stock method launches Triton ``context_attention_fwd``, which hangs BI-V100.
-    How:     same wrapper technique; always calls the pure-PyTorch ``paged_prefix`` (tiled under
-             ``VLLM_BI100_PREFIX_BUDGET_MB``). Families without ``context_lens`` (0.8.0+) get it
-             derived as ``seq_lens - query lengths``; families without ``kv_cache_dtype`` /
-             scales (0.5.0 – 0.5.4) use ``"auto"`` and 1.0.
-    vLLM:    0.5.0 – 0.11.2.
-    Upstream: none; gone in 0.12.0.
-    Removal: when a Triton that runs ``context_attention_fwd`` ships on CoreX.
+Their catalogue entries (why, how, vLLM versions, upstream, removal) are the ``decode`` and
+``prefix`` rows of ``vllm_bi100_patch.table``.  This module is imported only when
+``vllm.attention.ops.paged_attn`` has been imported (torch is then loaded too) and never
+imports vLLM itself (the target module is handed in).  Each wrapper reads its family's
+arguments once: decode turns them into one ``native.DecodeCall`` for the ``NativeDecoder``
+built at patch time; prefix calls ``kernels.paged_prefix``.
 """
 
 from __future__ import annotations
@@ -35,17 +13,15 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
-import sys
 import threading
 import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-
-from .. import config, hardware
+from .. import config, hardware, native
 from .._log import log
 from ..kernels import paged_prefix
-from ..kernels import dispatch  # a submodule, not in kernels.__all__
+from ..kernels._common import as_count
+from ..native import DecodeCall, NativeDecoder
 from ..versions import Family
 
 
@@ -61,7 +37,7 @@ def call_counts() -> Dict[str, int]:
     group copied under its lock)."""
     with _counts_lock:
         counts = dict(CALL_COUNTS)
-    counts.update({f"decode_{k}": v for k, v in dispatch.route_counts().items()})
+    counts.update({f"decode_{k}": v for k, v in native.route_counts().items()})
     return counts
 
 
@@ -70,7 +46,7 @@ def reset_call_counts() -> None:
     with _counts_lock:
         for key in CALL_COUNTS:
             CALL_COUNTS[key] = 0
-    dispatch.reset_route_counts()
+    native.reset_route_counts()
 
 
 def log_counts() -> None:
@@ -129,96 +105,78 @@ class ArgReader:
         return values
 
 
-_native_checked: Dict[int, bool] = {}
+def routing_for(settings: config.Settings) -> native.Routing:
+    """The decode routing of ``settings`` on this machine (built on the decoder's first use,
+    in the process that decodes: a device query in vLLM's front end before it forks workers
+    would break CUDA in the children)."""
+    s = settings
+    iluvatar = s.v1_max_seq_len is None and (
+        hardware.looks_like_iluvatar() or bool(hardware.device_facts().get("iluvatar")))
+    return native.Routing(fallback_above=s.decode_fallback_above,
+                          sm_count=hardware.sm_count(s.sm_count), sm_occupancy=s.sm_occupancy,
+                          subscription=s.subscription, v1_max_seq_len=s.v1_max_seq_len,
+                          iluvatar=iluvatar)
 
 
-def _native_ops(module: types.ModuleType) -> Optional[Any]:
-    """The ops module stock vLLM would use for native decode, or None when its kernels are
-    not really there (official CUDA wheels on a CPU torch expose the Python wrappers only).
-    The answer is cached per ops object; the module's ``ops`` is re-read on every call."""
-    ops = vars(module).get("ops")
-    if ops is None:
-        ops = sys.modules.get("vllm._custom_ops")
-    if ops is None:
-        return None
-    ok = _native_checked.get(id(ops))
-    if ok is None:
-        ok = _native_checked[id(ops)] = _has_native_kernels(ops)
-    return ops if ok else None
+def decoder_for(module: types.ModuleType, settings: config.Settings) -> NativeDecoder:
+    """The native decoder for the ops ``module`` uses (see ``NativeDecoder.for_module``)."""
+    return NativeDecoder.for_module(module, lambda: routing_for(settings),
+                                    hardware.ixformer_present())
 
 
-def _has_native_kernels(ops: Any) -> bool:
-    if not all(hasattr(ops, n) for n in ("paged_attention_v1", "paged_attention_v2")):
-        return False
-    if getattr(ops, "__name__", "") != "vllm._custom_ops" or hardware.ixformer_present():
-        return True  # Iluvatar's ixformer-backed ops, or an ops module handed in on purpose
-    try:
-        namespace = torch.ops._C
-        return (hasattr(namespace, "paged_attention_v1")
-                and hasattr(namespace, "paged_attention_v2"))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class _Routing:
-    """DecodeRouting built on first use, in the process that decodes (a device query in
-    vLLM's front end before it forks workers would break CUDA in the children)."""
-
-    def __init__(self, settings: config.Settings) -> None:
-        self.settings = settings
-        self._value: Optional[dispatch.DecodeRouting] = None
-
-    def get(self) -> dispatch.DecodeRouting:
-        if self._value is None:
-            s = self.settings
-            self._value = dispatch.DecodeRouting(
-                fallback_above=s.decode_fallback_above, sm_count=hardware.sm_count(s.sm_count),
-                sm_occupancy=s.sm_occupancy, subscription=s.subscription,
-                v1_max_seq_len=v1_max_seq_len(s))
-        return self._value
-
-
-def v1_max_seq_len(settings: config.Settings) -> Optional[int]:
-    """V1's length limit: the configured one; Iluvatar's 32,768 when this is an Iluvatar
-    machine (ixformer, a CoreX torch, or an Iluvatar device); else None, which lets the
-    dispatch decide by the ops convention (vendor 32,768, stock 8,192)."""
-    if settings.v1_max_seq_len is not None:
-        return settings.v1_max_seq_len
-    if hardware.looks_like_iluvatar() or hardware.device_facts().get("iluvatar"):
-        return dispatch.ILUVATAR_V1_MAX_SEQ_LEN
-    return None
-
-
-#: The module and routing of the last decode patch, for ``native_profile()``.
-_profiled: Dict[str, Any] = {}
+#: The decoder of the last decode patch and its module, for ``native_profile()``.
+_patched: Dict[str, Any] = {}
 
 
 def describe_native(module: types.ModuleType, settings: config.Settings) -> Dict[str, Any]:
-    """``dispatch.describe`` for ``module``'s ops under ``settings`` (doctor)."""
-    return dispatch.describe(_native_ops(module), _Routing(settings).get())
+    """What ``module``'s decode does under ``settings`` (doctor): the patched decoder's own
+    description when this process patched ``module``, else a decoder built as the patch
+    would build it."""
+    if _patched.get("module") is module:
+        return native_profile() or {}
+    return decoder_for(module, settings).describe()
 
 
 def native_profile() -> Optional[Dict[str, Any]]:
-    """The native-ops profile of the patched module and the route each length band takes
-    (None before the decode patch was applied)."""
-    module, routing = _profiled.get("module"), _profiled.get("routing")
-    if module is None or routing is None:
-        return None
-    return dispatch.describe(_native_ops(module), routing.get())
+    """The patched decoder's probe and the route each case takes (None before the decode
+    patch was applied)."""
+    decoder = _patched.get("decoder")
+    return decoder.describe() if decoder is not None else None
+
+
+def decode_call(v: Mapping[str, Any]) -> DecodeCall:
+    """vLLM's ``forward_decode`` arguments, by name (any family), as one ``DecodeCall``:
+    shapes checked, ``max_seq_len`` an int, ``num_kv_heads`` the cache's KV head count and
+    ``head_mapping`` the tensor Iluvatar's XFormers backend passes in its place (else None),
+    ``kv_scale`` (vLLM 0.5.0 - 0.5.2) used for K and V.  ValueError names a bad argument."""
+    query, key_cache = v["query"], v["key_cache"]
+    native.check_shapes(query, key_cache, v["value_cache"], v["block_tables"], v["seq_lens"])
+    kv_heads = int(key_cache.shape[1])
+    head_mapping = native.check_head_mapping(v["num_kv_heads"], query, kv_heads)
+    kv_scale = v.get("kv_scale")
+    k_scale, v_scale = ((kv_scale, kv_scale) if kv_scale is not None else
+                        (v.get("k_scale", 1.0), v.get("v_scale", 1.0)))
+    return DecodeCall(query, key_cache, v["value_cache"], v["block_tables"], v["seq_lens"],
+                      as_count("max_seq_len", v["max_seq_len"]), v["kv_cache_dtype"], kv_heads,
+                      head_mapping, v["scale"], v["alibi_slopes"], k_scale, v_scale, kv_scale,
+                      v.get("tp_rank", 0), (v.get("blocksparse_local_blocks", 0),
+                                            v.get("blocksparse_vert_stride", 0),
+                                            v.get("blocksparse_block_size", 64),
+                                            v.get("blocksparse_head_sliding_step", 0)))
 
 
 def make_decode_wrapper(family: Family, original: Callable[..., Any],
                         module: types.ModuleType, settings: config.Settings) -> Wrapper:
     reader = ArgReader.for_function(original, family.decode_params, "forward_decode")
     names = reader.params
-    routing = _Routing(settings)
-    _profiled.update(module=module, routing=routing)
+    decoder = decoder_for(module, settings)
+    _patched.update(module=module, decoder=decoder)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
         _count("forward_decode")
-        return dispatch.decode(**values, ops=_native_ops(module), routing=routing.get())
+        return decoder.decode(decode_call(values))
 
     return forward_decode
 
