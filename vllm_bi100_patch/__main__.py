@@ -292,6 +292,10 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
         if "vllm.attention.ops.paged_attn" in sys.modules:
             sections.append(_native_section(settings))
+        from . import ops_audit
+
+        sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
+                                ops_audit.doctor_checks()))
         facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
         sections[2].checks.append(("info", "device", f"{facts['device_name']} "
                                    f"({facts['sm_count']} SMs)" if facts.get("device_name")

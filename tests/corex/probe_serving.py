@@ -221,8 +221,8 @@ def mode_fp8() -> None:
             want_k[s // BLOCK, :, :, s % BLOCK, :] = _fp8_bytes(ks[i][t], k_scale).view(kv, -1,
                                                                                        16)
             want_v[s // BLOCK, :, :, s % BLOCK] = _fp8_bytes(vs[i][t], v_scale)
-        err = error_of(lambda: PA.write_to_paged_cache(key, value, kc, vc, slots, "fp8",
-                                                       k_scale, v_scale))
+        err = error_of(lambda key=key, value=value, slots=slots: PA.write_to_paged_cache(
+            key, value, kc, vc, slots, "fp8", k_scale, v_scale))
         res.setdefault("write", err)
     res["bytes_equal"] = bool(torch.equal(kc, want_k) and torch.equal(vc, want_v))
     if res["write"] == "no error":

@@ -85,3 +85,36 @@ def test_fp8_cache_gets_vllm_bytes_and_reads_back_within_fp8_tolerance():
     # fp8 e4m3 keys and values (3 mantissa bits) on O(1) data: a few per cent of the largest
     # output; a dropped scale or garbage bytes are off by far more than 100%.
     assert report["decode_rel_err"] <= 0.1 and report["prefix_rel_err"] <= 0.1, report
+
+
+def doctor(**env: str) -> str:
+    import subprocess
+    import sys
+
+    from helpers.probes import clean_env
+
+    proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"],
+                          env=clean_env(env), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the audit leaves the verdict
+    return proc.stdout
+
+
+def test_doctor_audits_the_vendor_ops():
+    out = doctor()
+    section = out.split("vendor ops (vllm._custom_ops) and engine timeout\n", 1)[1]
+    lines = section.split("\nthis process", 1)[0].splitlines()
+    states = {ln.split("] ", 1)[1].split(":", 1)[0]: ln.split("]", 1)[0].strip("[ ")
+              for ln in lines}
+    assert states == {"moe_align_block_size": "FAIL", "topk_softmax": "FAIL",
+                      "invoke_fused_moe_kernel": "FAIL", "supports_moe_ops": "FAIL",
+                      "swap_blocks": "ok", "VLLM_ENGINE_ITERATION_TIMEOUT_S": "WARN"}, section
+    assert "MoE models (FusedMoE) will crash" in section
+    assert "replaced by the shim's row swap_blocks" in section
+    assert "60 s (vLLM's default)" in section and "the field ran 3600" in section
+
+
+def test_doctor_fails_a_block_move_nothing_replaces_and_accepts_a_long_timeout():
+    out = doctor(VLLM_BI100_PATCH_DISABLE="swap_blocks", VLLM_ENGINE_ITERATION_TIMEOUT_S="3600")
+    assert ("[FAIL] swap_blocks: calls ixformer.functions.swap_blocks, which does not exist: "
+            "preemption by swapping") in out
+    assert "[ok  ] VLLM_ENGINE_ITERATION_TIMEOUT_S: 3600 s" in out

@@ -41,3 +41,21 @@ def test_rows_apply_only_where_the_build_needs_them(rows):
         assert rows["counts"]["dense_prefill"] == 1
     # Either way the head-256 prompt batch is right (stock: xformers' own kernel).
     assert rows["prompt_max_err"] < 1e-4, rows
+
+
+def test_doctor_finds_nothing_broken_in_the_official_ops():
+    import subprocess
+    import sys
+
+    from helpers.probes import clean_env
+
+    if INSTALLED != "0.6.3.post1":
+        pytest.skip("the official wheel's audit (the stand-in's: tests/corex)")
+    proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"],
+                          env=clean_env({"VLLM_BI100_PATCH": "1"}), capture_output=True,
+                          text=True, timeout=600)
+    section = proc.stdout.split("vendor ops (vllm._custom_ops) and engine timeout\n")[1]
+    section = section.split("\nthis process")[0]
+    assert section.splitlines()[0] == ("  [ok  ] vllm._custom_ops: every function calls only "
+                                       "functions that exist"), section
+    assert "FAIL" not in section
