@@ -365,10 +365,13 @@ def apply(python: str) -> List[str]:
     """Apply every delta to the venv of ``python`` (once); returns the delta ids applied."""
     site = site_packages(python)
     marker = os.path.join(site, "vllm", MARKER)
+    official = os.path.isdir(os.path.join(site, f"vllm-{OFFICIAL}.dist-info"))
+    if os.path.exists(marker) and official:  # the official wheel was reinstalled (nox -R)
+        os.remove(marker)
     if os.path.exists(marker):
         with open(marker, encoding="utf-8") as fh:
             return list(json.load(fh)["deltas"])
-    if not os.path.isdir(os.path.join(site, f"vllm-{OFFICIAL}.dist-info")):
+    if not official:
         raise StandinError(f"{site} does not hold the official vLLM {OFFICIAL}")
     done = []
     for delta in DELTAS:
