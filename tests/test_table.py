@@ -18,7 +18,8 @@ ON = config.load({config.MODE: "1"})
 def test_every_row_is_well_formed():
     assert len(set(table.names())) == len(table.PATCHES)
     assert config.PATCH_NAMES == table.names()
-    assert table.hooked_modules() == ("vllm.attention.ops.paged_attn",)
+    assert table.hooked_modules() == ("vllm.attention.ops.paged_attn",
+                                      "vllm.attention.backends.xformers")
     assert [p.name for p in table.guards()] == ["import_guard"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row

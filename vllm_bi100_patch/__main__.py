@@ -190,6 +190,15 @@ def _code_checks(settings: config.Settings, family: versions.Family
     for name in table.hooked_modules():
         try:
             module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if name != table.PAGED_ATTN:
+                # e.g. the XFormers backend without xformers, or a vLLM without that module:
+                # vLLM cannot use it either
+                out.append(("info", f"import {name}", f"not importable here ({exc}): its "
+                            "rows do not apply"))
+                continue
+            out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
+            continue
         except (Exception, SystemExit) as exc:  # a module may call sys.exit() at import
             out.append(("FAIL", f"import {name}", _import_error(exc)))
             continue
@@ -291,6 +300,10 @@ def doctor_sections() -> Tuple[List[Section], Verdict]:
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
         if "vllm.attention.ops.paged_attn" in sys.modules:
             sections.append(_native_section(settings))
+        from . import ops_audit
+
+        sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
+                                ops_audit.doctor_checks()))
         facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
         sections[2].checks.append(("info", "device", f"{facts['device_name']} "
                                    f"({facts['sm_count']} SMs)" if facts.get("device_name")

@@ -200,7 +200,8 @@ def _on_target(module: Any) -> None:
         try:
             from . import registry  # wrapt and the patch layer load here, not at start-up
 
-            report = registry.apply_to(module, _settings, strict=False)
+            registry.apply_to(module, _settings, strict=False)
+            report = registry.last_report()  # every target module patched so far, merged
         except Exception as exc:
             _last_error = f"{type(exc).__name__}: {exc}"
             _decision = f"not patched: patching failed ({_last_error})"

@@ -32,6 +32,7 @@ SM_COUNT = "VLLM_BI100_SM_COUNT"
 SM_OCCUPANCY = "VLLM_BI100_SM_OCCUPANCY"
 SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
 V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
+DENSE_HEAD_MAX = "VLLM_BI100_DENSE_HEAD_MAX"
 
 #: Names accepted in VLLM_BI100_PATCH_DISABLE: one per row of the patch table.
 PATCH_NAMES: Tuple[str, ...] = table.names()
@@ -80,6 +81,11 @@ VARIABLES: Tuple[Variable, ...] = (
              "logits in shared memory); longer decodes take V2 where it exists, else the "
              "pure-PyTorch decode. Default: 32768 on Iluvatar (ixformer, CoreX torch or an "
              "Iluvatar device, or a vendor `head_mapping` kernel), 8192 otherwise."),
+    Variable(DENSE_HEAD_MAX, "128", "integer >= 1",
+             "Largest head size the vendor's flash `FwOp` is given for prompts without a cached "
+             "prefix (and the profiling run) on builds whose XFormers backend uses ixformer's "
+             "`FwOp`; larger heads take the pure-PyTorch varlen attention (row "
+             "`dense_prefill`)."),
 )
 
 
@@ -88,13 +94,13 @@ class Settings:
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
-                 "errors", "raw")
+                 "dense_head_max", "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
                  prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
                  sm_occupancy: int = 1, subscription: int = 5,
-                 v1_max_seq_len: Optional[int] = None,
+                 v1_max_seq_len: Optional[int] = None, dense_head_max: int = 128,
                  errors: Tuple[str, ...] = (), raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
@@ -106,6 +112,7 @@ class Settings:
         self.sm_occupancy = sm_occupancy
         self.subscription = subscription
         self.v1_max_seq_len = v1_max_seq_len
+        self.dense_head_max = dense_head_max
         self.errors = errors
         #: Every VLLM_BI100_* variable that was set, exactly as given.
         self.raw: Dict[str, str] = dict(raw or {})
@@ -200,6 +207,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     SM_OCCUPANCY: ("sm_occupancy", _int_parser(1)),
     SUBSCRIPTION: ("subscription", _int_parser(1)),
     V1_MAX_SEQ_LEN: ("v1_max_seq_len", _int_parser(1)),
+    DENSE_HEAD_MAX: ("dense_head_max", _int_parser(1)),
 }
 
 

@@ -117,7 +117,25 @@ _originals: Dict[Tuple[type, str], Any] = {}
 #: (class, attribute) -> the descriptor we installed (to recognise our own patch).
 _installed: Dict[Tuple[type, str], Any] = {}
 _last_report = Report()
+#: module name -> the report of its last apply; ``_last_report`` is their merge (table order).
+_reports: Dict[str, Report] = {}
 _warned: set = set()
+
+
+def _merge(reports: List[Report]) -> Report:
+    """One report for every target module patched in this process."""
+    out = Report()
+    reasons: List[str] = []
+    for r in reports:
+        out.vllm_version = r.vllm_version or out.vllm_version
+        out.family = r.family or out.family
+        out.applied += [n for n in r.applied if n not in out.applied]
+        out.skipped.update(r.skipped)
+        out.checks.update(r.checks)
+        if r.reason is not None and r.reason not in reasons:
+            reasons.append(r.reason)
+    out.reason = "; ".join(reasons) if reasons else None
+    return out
 
 
 def warn_once(reason: str) -> None:
@@ -155,7 +173,19 @@ def find_descriptor(cls: type, attr: str) -> Tuple[Optional[type], Any]:
 
 
 def is_ours(descriptor: Any) -> bool:
-    return isinstance(descriptor, staticmethod) and type(descriptor.__func__) is PatchWrapper
+    if isinstance(descriptor, staticmethod):
+        return type(descriptor.__func__) is PatchWrapper
+    return type(descriptor) is PatchWrapper  # a plain method patched in place
+
+
+def _function_of(desc: Any) -> Optional[Callable[..., Any]]:
+    """The function behind a patchable class attribute: a staticmethod's, or a plain method
+    (``def f(self, ...)`` in the class body); None for anything else."""
+    if isinstance(desc, staticmethod):
+        return desc.__func__
+    if isinstance(desc, types.FunctionType):
+        return desc
+    return None
 
 
 def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[str]:
@@ -174,10 +204,11 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
 
 def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
     where = f"{spec.owner}.{spec.attr}"
-    if not isinstance(desc, staticmethod):
-        return f"{where} is a {type(desc).__name__}, not a staticmethod"
+    func = _function_of(desc)
+    if func is None:
+        return f"{where} is a {type(desc).__name__}, not a staticmethod or a plain method"
     try:
-        params = tuple(inspect.signature(desc.__func__).parameters)
+        params = tuple(inspect.signature(func).parameters)
     except (TypeError, ValueError) as exc:
         return f"{where} has no readable signature ({exc})"
     expected = spec.params(family)
@@ -268,7 +299,8 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
             report.reason = verdict.reason
         if report.reason is not None:
             report.reason += "; " + consequence()
-        _last_report = report
+        _reports[module.__name__] = report
+        _last_report = _merge([_reports[m] for m in table.hooked_modules() if m in _reports])
         if report.reason is not None:
             warn_once(report.reason)
             if strict:
@@ -290,11 +322,13 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
             # Not ours, so it is what revert must give back: the true original, or whatever
             # another tool installed after an earlier revert (never our own wrapper).
             _originals[key] = desc
-            original = desc
-            wrapper = spec.factory()(family, original.__func__, module, settings)
+            func = _function_of(desc)
+            assert func is not None  # check_code passed
+            wrapper = spec.factory()(family, func, module, settings)
             label = (f"{spec.owner}.{spec.attr} (vLLM {report.vllm_version}, family "
                      f"{family.name})")
-            new = staticmethod(PatchWrapper(original.__func__, wrapper, label))
+            patched = PatchWrapper(func, wrapper, label)
+            new: Any = staticmethod(patched) if isinstance(desc, staticmethod) else patched
             setattr(owner, spec.attr, new)
             _installed[key] = new
             done.append(key)
@@ -326,6 +360,8 @@ def revert_all() -> List[str]:
             if _restore(key):
                 restored.append(key[1])
         _last_report.applied.clear()
+        for r in _reports.values():
+            r.applied.clear()
         return restored
 
 

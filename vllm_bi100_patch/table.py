@@ -69,6 +69,7 @@ class Patch:
 
 
 PAGED_ATTN = "vllm.attention.ops.paged_attn"
+XFORMERS = "vllm.attention.backends.xformers"
 _ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
 
 PATCHES: Tuple[Patch, ...] = (
@@ -141,6 +142,43 @@ PATCHES: Tuple[Patch, ...] = (
         vllm=_ALL_FAMILIES + "; applied only on builds whose ops cannot copy",
         upstream="Iluvatar's build",
         removal="when Iluvatar's `_custom_ops.copy_blocks` calls a function ixformer has"),
+    Patch(
+        "kv_write", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.write_to_paged_cache",
+        "vllm_bi100_patch.patches.kv_write:make_write_wrapper",
+        params="names:key,value,key_cache,value_cache,slot_mapping,kv_cache_dtype,k_scale,"
+               "v_scale",
+        when="vllm_bi100_patch.patches.kv_write:write_needed",
+        why="CoreX 3.2.3's `_custom_ops.reshape_and_cache` takes `kv_cache_dtype` and the "
+            "scales and drops them: with `--kv-cache-dtype fp8` the cache would not hold fp8 "
+            "values and every decode and prefix would read garbage",
+        how="only where the build's `reshape_and_cache` never reads its `kv_cache_dtype`: fp8 "
+            "caches are written in PyTorch (`kernels.kv_write`: `fp8(x / scale)` saturated, "
+            "vLLM's bytes and layout, slot -1 skipped), read back by the shim's decode and "
+            "prefix; `auto` keeps the build's write; any other dtype is refused naming "
+            "`--kv-cache-dtype`",
+        vllm="0.5.3 – 0.11.2 (k_scale/v_scale families); applied only on builds whose ops drop "
+             "the cache dtype",
+        upstream="Iluvatar's build",
+        removal="when Iluvatar's `reshape_and_cache` passes the dtype and scales on"),
+    Patch(
+        "dense_prefill", WRAP_METHOD,
+        XFORMERS + ":XFormersImpl._run_memory_efficient_xformers_forward",
+        "vllm_bi100_patch.patches.dense_prefill:make_dense_wrapper",
+        params="names:self,query,key,value,attn_metadata,attn_type",
+        when="vllm_bi100_patch.patches.dense_prefill:dense_needed",
+        why="CoreX 3.2.3's XFormers backend runs every prompt without a cached prefix, and "
+            "vLLM's memory-profiling run at start-up, through `ixformer.contrib.xformers`' "
+            "flash `FwOp`, which fails above head size 128: a causal bias raises, a mask "
+            "returns wrong values silently; a head-256 model cannot start, or answers garbage",
+        how="only where the backend's `xops` is ixformer's and the method passes "
+            "`xops.fmha.flash.FwOp()` as `op=`: head sizes above `VLLM_BI100_DENSE_HEAD_MAX` "
+            "(128) go to the pure-PyTorch varlen attention `kernels.dense` (causal, GQA, "
+            "sliding window, ALiBi; encoder and cross-attention unmasked), tiled over queries "
+            "under `VLLM_BI100_PREFIX_BUDGET_MB`; smaller heads keep the vendor kernel",
+        vllm="0.6.3 (the XFormers backend's method as CoreX 3.2.3 ships it); applied only on "
+             "builds whose backend calls ixformer's `FwOp`",
+        upstream="Iluvatar's build (ixformer's flash attention above head size 128)",
+        removal="when ixformer's `FwOp` handles head sizes above 128"),
 )
 
 

@@ -189,6 +189,35 @@ def _vendor_ops(site: str) -> None:
     _write(path, text)
 
 
+_MOE_PROBE_STOCK = """supports_moe_ops = False
+with contextlib.suppress(ImportError):
+    import vllm._moe_C  # noqa: F401
+    supports_moe_ops = True
+"""
+_MOE_FUSED_VENDOR = """
+
+def invoke_fused_moe_kernel(A, B, C, A_scale, B_scale, topk_weights, topk_ids,
+                            sorted_token_ids, expert_ids, num_tokens_post_padded,
+                            mul_routed_weight, top_k, config, compute_type, use_fp8_w8a8,
+                            use_int8_w8a16) -> None:
+    ixf_F.vllm_invoke_fused_moe_kernel(A, B, C, topk_weights, topk_ids, sorted_token_ids,
+                                       expert_ids, num_tokens_post_padded,
+                                       mul_routed_weight, top_k, config['BLOCK_SIZE_M'])
+"""
+
+
+def _vendor_moe_ops(site: str) -> None:
+    path = os.path.join(site, "vllm", "_custom_ops.py")
+    text = _replace_once(_read(path), _MOE_PROBE_STOCK, "supports_moe_ops = True\n", path)
+    text = _replace_once(text, "    torch.ops._C.moe_align_block_size(",
+                         "    ixf_F.vllm_moe_align_block_size(", path)
+    text = _replace_once(text, "    torch.ops._moe_C.topk_softmax(",
+                         "    ixf_F.vllm_moe_topk_softmax(", path)
+    start, end = _function_span(text, "topk_softmax", path)
+    text = text[:end] + _MOE_FUSED_VENDOR.rstrip("\n") + text[end:]
+    _write(path, text)
+
+
 def _prefix_prefill_hazard(site: str) -> None:
     path = os.path.join(site, "vllm", "attention", "ops", "prefix_prefill.py")
     text = _read(path)
@@ -196,6 +225,87 @@ def _prefix_prefill_hazard(site: str) -> None:
         raise StandinError(f"{path}: not the Triton prefix kernel module")
     _write(path, "raise RuntimeError('CoreX stand-in: importing the Triton prefix_prefill "
                  "kernel module stands for the BI-V100 hang')\n" + text)
+
+
+_XF_IMPORTS_STOCK = """from xformers import ops as xops
+from xformers.ops.fmha.attn_bias import (AttentionBias,
+                                         BlockDiagonalCausalMask,
+                                         BlockDiagonalMask,
+                                         LowerTriangularMaskWithTensorBias)
+"""
+_XF_IMPORTS_VENDOR = """from ixformer.contrib.xformers import ops as xops
+from xformers.ops.fmha.attn_bias import (AttentionBias,
+                                         BlockDiagonalMask,)
+from ixformer.contrib.xformers.ops.fmha.attn_bias import (BlockDiagonalCausalMask,
+                                                          LowerTriangularMaskWithTensorBias)
+"""
+_XF_GQA_STOCK_HEAD = """        original_query = query
+        if self.num_kv_heads != self.num_heads:
+"""
+_XF_GQA_STOCK_TAIL = """                                          value.shape[-1])
+        # Set attention bias if not provided."""
+_XF_CALL_STOCK = """        if self.alibi_slopes is None:
+            # Add the batch dimension.
+            query = query.unsqueeze(0)
+            key = key.unsqueeze(0)
+            value = value.unsqueeze(0)
+            out = xops.memory_efficient_attention_forward(
+                query,
+                key,
+                value,
+                attn_bias=attn_bias[0],
+                p=0.0,
+                scale=self.scale)
+"""
+_XF_CALL_VENDOR = """        self.attn_op = xops.fmha.flash.FwOp()
+        if self.alibi_slopes is None:
+            # Add the batch dimension.
+            query = query.unsqueeze(0)
+            key = key.unsqueeze(0)
+            value = value.unsqueeze(0)
+            out = xops.memory_efficient_attention_forward(
+                query,
+                key,
+                value,
+                attn_bias=attn_bias[0],
+                p=0.0,
+                scale=self.scale,
+                op=self.attn_op)
+"""
+_XF_HEADS_STOCK = """        self.num_queries_per_kv = self.num_heads // self.num_kv_heads
+"""
+_XF_HEADS_VENDOR = _XF_HEADS_STOCK + """        self.head_mapping = torch.repeat_interleave(
+            torch.arange(self.num_kv_heads, dtype=torch.int32),
+            self.num_queries_per_kv)
+"""
+_XF_DECODE_STOCK = """                self.kv_cache_dtype,
+                self.num_kv_heads,
+                self.scale,
+                self.alibi_slopes,"""
+
+
+def _vendor_xformers_backend(site: str) -> None:
+    path = os.path.join(site, "vllm", "attention", "backends", "xformers.py")
+    text = _replace_once(_read(path), _XF_IMPORTS_STOCK, _XF_IMPORTS_VENDOR, path)
+    head = text.find(_XF_GQA_STOCK_HEAD)
+    tail = text.find(_XF_GQA_STOCK_TAIL, head)
+    if head < 0 or tail < 0 or text.count(_XF_GQA_STOCK_HEAD) != 1:
+        raise StandinError(f"{path}: the GQA expansion of _run_memory_efficient_xformers_forward "
+                           "is not the official one")
+    kept = "        original_query = query\n        # Set attention bias if not provided."
+    text = text[:head] + kept + text[tail + len(_XF_GQA_STOCK_TAIL):]
+    text = _replace_once(text, _XF_CALL_STOCK, _XF_CALL_VENDOR, path)
+    text = _replace_once(text, _XF_HEADS_STOCK, _XF_HEADS_VENDOR, path)
+    text = _replace_once(text, _XF_DECODE_STOCK, _XF_DECODE_STOCK.replace(
+        "self.num_kv_heads", "self.head_mapping"), path)
+    _write(path, text)
+
+
+def _fake_xformers(site: str) -> None:
+    dest = os.path.join(site, "xformers")
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(os.path.join(os.path.dirname(HERE), "fakes", "fake_xformers", "xformers"),
+                    dest, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def _fake_ixformer(site: str) -> None:
@@ -220,12 +330,28 @@ DELTAS: List[Delta] = [
           "reshape_and_cache drops kv_cache_dtype and the scales; swap_blocks calls "
           "ixformer.functions.swap_blocks (absent); copy_blocks calls ixformer",
           "vllm/_custom_ops.py", _vendor_ops),
+    Delta("ops-moe-vendor", "vllm/_custom_ops.py",
+          "supports_moe_ops = True unconditionally; moe_align_block_size, topk_softmax and "
+          "invoke_fused_moe_kernel call ixformer.functions.vllm_moe_align_block_size, "
+          "vllm_moe_topk_softmax, vllm_invoke_fused_moe_kernel, which 3.2.3's ixformer lacks",
+          "vllm/_custom_ops.py; field notes docs/experiments/E_CAP_01_RUNTIME_20260713.md",
+          _vendor_moe_ops),
     Delta("prefix-prefill-hazard", "vllm/attention/ops/prefix_prefill.py",
           "importing the Triton prefix kernel raises (stands for the hang)",
           "field notes docs/experiments/E_CTX_01_PAGED_ATTN_GUARDS_20260714.md", _prefix_prefill_hazard),
     Delta("fake-ixformer", "ixformer/", "fake ixformer 0.4.0+corex.3.2.3: CPU reference V1 with "
           "the 32,768 hazard, reshape_and_cache, vllm_swap_blocks(dict), copy_blocks; no V2, no "
           "swap_blocks", "vllm/_custom_ops.py (what it calls)", _fake_ixformer),
+    Delta("fake-xformers", "xformers/", "xformers 0.0.27.post2 as a CPU reference "
+          "(memory_efficient_attention_forward, the attn_bias masks): the vendor stack has "
+          "xformers installed", "vllm/attention/backends/xformers.py (what it imports)",
+          _fake_xformers),
+    Delta("xformers-vendor", "vllm/attention/backends/xformers.py",
+          "the XFormers backend imports xops and the causal masks from ixformer.contrib.xformers, "
+          "drops the GQA expansion, passes op=xops.fmha.flash.FwOp() for prompts, builds "
+          "head_mapping and passes it to forward_decode; the fake ixformer's FwOp raises for a "
+          "causal bias above head size 128 and returns zeros for any other bias there",
+          "vllm/attention/backends/xformers.py", _vendor_xformers_backend),
 ]
 
 
@@ -239,10 +365,13 @@ def apply(python: str) -> List[str]:
     """Apply every delta to the venv of ``python`` (once); returns the delta ids applied."""
     site = site_packages(python)
     marker = os.path.join(site, "vllm", MARKER)
+    official = os.path.isdir(os.path.join(site, f"vllm-{OFFICIAL}.dist-info"))
+    if os.path.exists(marker) and official:  # the official wheel was reinstalled (nox -R)
+        os.remove(marker)
     if os.path.exists(marker):
         with open(marker, encoding="utf-8") as fh:
             return list(json.load(fh)["deltas"])
-    if not os.path.isdir(os.path.join(site, f"vllm-{OFFICIAL}.dist-info")):
+    if not official:
         raise StandinError(f"{site} does not hold the official vLLM {OFFICIAL}")
     done = []
     for delta in DELTAS:

@@ -13,13 +13,11 @@ Imported only once vLLM's ``paged_attn`` is; never imports vLLM itself.
 
 from __future__ import annotations
 
-import ast
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .. import config
+from .. import config, ops_audit
 from ..kernels import blocks
-from ..native import probe
 from ..versions import Family
 from .paged_attention import ArgReader, Wrapper, _count
 
@@ -28,20 +26,11 @@ COPY_PARAMS = ("kv_caches", "src_to_dists")
 
 
 def missing_call(func: Callable[..., Any]) -> Optional[str]:
-    """``"module.name"`` when ``func`` calls ``X.name(...)`` where ``X`` is one of its module
-    globals bound to a module that has no attribute ``name``; None otherwise (also when the
-    source cannot be read)."""
-    parsed = probe.source_tree(func)
-    globals_ = getattr(parsed[1], "__globals__", None) if parsed else None
-    if parsed is None or globals_ is None:
-        return None
-    for node in ast.walk(parsed[0]):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and isinstance(node.func.value, ast.Name):
-            target = globals_.get(node.func.value.id)
-            if isinstance(target, types.ModuleType) and not hasattr(target, node.func.attr):
-                return f"{target.__name__}.{node.func.attr}"
-    return None
+    """The first ``"module.name"`` that ``func`` calls on a module global lacking ``name``
+    (``ops_audit.missing_calls``, which doctor runs over every ops function); None when there
+    is none or the source cannot be read."""
+    missing = ops_audit.missing_calls(func)
+    return missing[0] if missing else None
 
 
 def _needed(module: types.ModuleType, op: str) -> Optional[str]:

@@ -1,0 +1,1 @@
+"""``ixformer.contrib`` of the fake ixformer: only ``contrib.xformers`` (see there)."""

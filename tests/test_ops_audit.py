@@ -1,0 +1,100 @@
+"""``ops_audit``: every ops function that calls a function its module lacks, with the feature
+that crashes (or the row that replaces it); the engine-timeout warning."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+import types
+
+import pytest
+
+from vllm_bi100_patch import ops_audit
+from vllm_bi100_patch.patches import kv_blocks
+
+OPS = '''
+import fake_lib as lib
+import torch_like
+
+supports_moe_ops = True
+
+
+def swap_blocks(src, dst, mapping):
+    lib.swap_blocks(src, dst, mapping)
+
+
+def copy_blocks(k, v, mapping):
+    lib.copy_blocks(k, v, mapping)
+
+
+def topk_softmax(w, ids, idx, gating):
+    lib.vllm_moe_topk_softmax(w, ids, idx, gating)
+
+
+def rms_norm(out, x, w, eps):
+    lib.rms_norm(x, w, out, eps)
+    torch_like.ops.anything(x)
+
+
+def strange(x):
+    lib.not_there(x)
+    lib.not_there(x)
+    lib.also_missing()
+'''
+
+
+@pytest.fixture
+def ops(tmp_path, monkeypatch):
+    lib = types.ModuleType("fake_lib")
+    lib.copy_blocks = lib.rms_norm = lambda *a: None
+    monkeypatch.setitem(sys.modules, "fake_lib", lib)
+    monkeypatch.setitem(sys.modules, "torch_like", types.ModuleType("torch_like"))
+    path = tmp_path / "fake_custom_ops.py"
+    path.write_text(textwrap.dedent(OPS))
+    spec = importlib.util.spec_from_file_location("fake_custom_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lists_every_broken_function_once_with_what_it_calls(ops):
+    assert ops_audit.broken_ops(ops) == {
+        "swap_blocks": ["fake_lib.swap_blocks"],
+        "topk_softmax": ["fake_lib.vllm_moe_topk_softmax"],
+        "strange": ["fake_lib.not_there", "fake_lib.also_missing"]}
+    assert kv_blocks.missing_call(ops.strange) == "fake_lib.not_there"  # the row's check
+    assert kv_blocks.missing_call(ops.copy_blocks) is None
+
+
+def test_a_replaced_function_is_ok_the_rest_fail_naming_the_feature(ops):
+    checks = {name: (state, detail) for state, name, detail in
+              ops_audit.audit(ops, applied=["decode", "swap_blocks"])}
+    assert checks["swap_blocks"][0] == "ok"
+    assert "replaced by the shim's row swap_blocks" in checks["swap_blocks"][1]
+    assert checks["topk_softmax"] == ("FAIL", "calls fake_lib.vllm_moe_topk_softmax, which does "
+                                      "not exist: MoE models (FusedMoE): top-k gating will "
+                                      "crash (no patch row replaces it)")
+    assert checks["strange"][0] == "FAIL"
+    assert "whatever calls fake_custom_ops.strange" in checks["strange"][1]
+    assert checks["supports_moe_ops"][0] == "FAIL"
+    assert "MoE models (FusedMoE) will crash" in checks["supports_moe_ops"][1]
+    unpatched = dict((n, s) for s, n, _ in ops_audit.audit(ops, applied=[]))
+    assert unpatched["swap_blocks"] == "FAIL"
+
+
+def test_a_sound_ops_module_is_ok():
+    sound = types.ModuleType("sound_ops")
+    assert ops_audit.audit(sound, []) == [("ok", "sound_ops", "every function calls only "
+                                           "functions that exist")]
+
+
+@pytest.mark.parametrize("env,state,text", [
+    ({}, "WARN", "60 s (vLLM's default)"),
+    ({"VLLM_ENGINE_ITERATION_TIMEOUT_S": "600"}, "WARN", "the field ran 3600"),
+    ({"VLLM_ENGINE_ITERATION_TIMEOUT_S": "3600"}, "ok", "3600 s: room for long prompts"),
+    ({"VLLM_ENGINE_ITERATION_TIMEOUT_S": "1h"}, "FAIL", "not an integer"),
+])
+def test_engine_timeout(env, state, text):
+    got = ops_audit.timeout_check(["chunked prefill and prefix caching"], env)
+    assert got[0] == state and got[1] == "VLLM_ENGINE_ITERATION_TIMEOUT_S" and text in got[2]

@@ -1,0 +1,85 @@
+"""Replacement for ``PagedAttention.write_to_paged_cache`` on builds whose ops drop the dtype.
+
+Catalogue entry: row ``kv_write`` of ``vllm_bi100_patch.table``.
+
+CoreX 3.2.3's ``_custom_ops.reshape_and_cache`` takes ``kv_cache_dtype``, ``k_scale`` and
+``v_scale`` and never reads them (it calls ``ixformer.functions.vllm_cache_ops_reshape_and_cache``
+without them, ``docs/corex-3.2.3.md``): with ``--kv-cache-dtype fp8`` the cache would not hold
+fp8 values.  The row is conditional: ``write_needed`` reads the source of the build's
+``ops.reshape_and_cache`` once, at patch time, and reports the patch as needed only when it has
+a ``kv_cache_dtype`` parameter its body never reads.  The wrapper writes fp8 caches with
+``kernels.kv_write.write_fp8`` (vLLM's bytes) and leaves ``"auto"`` caches to the build's own
+write; any other ``kv_cache_dtype`` is refused with an error naming ``--kv-cache-dtype``.
+Never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .. import config
+from ..kernels import kv_write
+from ..native import probe
+from ..versions import Family
+from .paged_attention import CALL_COUNTS, ArgReader, Wrapper, _count
+
+PARAMS = ("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype",
+          "k_scale", "v_scale")
+
+CALL_COUNTS.setdefault("kv_write_fp8", 0)
+
+
+def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
+    """True when ``func`` has a parameter ``name`` that its body never reads, False when it
+    reads it, None when the source cannot be read or there is no such parameter."""
+    parsed = probe.source_tree(func)
+    if parsed is None:
+        return None
+    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if len(defs) != 1:
+        return None
+    fn = defs[0]
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs]
+    if name not in params:
+        return None
+    reads = any(isinstance(n, ast.Name) and n.id == name for stmt in fn.body
+                for n in ast.walk(stmt))
+    return not reads
+
+
+def write_needed(module: types.ModuleType) -> Optional[str]:
+    """None when this build's ``ops.reshape_and_cache`` drops ``kv_cache_dtype``, else why
+    the patch is not needed."""
+    ops = vars(module).get("ops")
+    func = getattr(ops, "reshape_and_cache", None) if ops is not None else None
+    if func is None:
+        return f"{module.__name__} binds no ops.reshape_and_cache: nothing to replace"
+    ignored = ignores_parameter(func, "kv_cache_dtype")
+    if ignored is None:
+        return "the build's ops.reshape_and_cache has no readable kv_cache_dtype parameter"
+    if not ignored:
+        return "the build's ops.reshape_and_cache passes kv_cache_dtype on"
+    return None
+
+
+def make_write_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
+                       settings: config.Settings) -> Wrapper:
+    reader = ArgReader.for_function(original, PARAMS, "write_to_paged_cache")
+
+    def write_to_paged_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                             kwargs: Dict[str, Any]) -> None:
+        key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale = reader.read(args,
+                                                                                       kwargs)
+        if dtype == "auto":
+            return wrapped(*args, **kwargs)
+        if dtype not in kv_write.FP8_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {dtype}: this build's reshape_and_cache drops "
+                             "the cache dtype and the shim writes only "
+                             f"{', '.join(kv_write.FP8_CACHE_DTYPES)} (or auto) caches")
+        _count("kv_write_fp8")
+        kv_write.write_fp8(key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale)
+        return None
+
+    return write_to_paged_cache
