@@ -208,22 +208,34 @@ def _on_target(module: Any) -> None:
                 raise
             log.exception("vllm-bi100-patch: patching failed")
             return
-        if report.reason is not None:
-            _decision = "not patched: " + report.reason
-            if _strict:
-                raise registry.PatchError(report.reason)
-            return
         from . import import_guard
 
         guard = "on" if import_guard.installed() else "off"
+        _decision = _decision_text(registry.last_report(), guard)  # every module so far
+        if report.reason is not None:
+            if _strict:
+                raise registry.PatchError(report.reason)
+            return
         # Conditional rows this build does not need are in status()["report"], not here.
         skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
                           if not v.startswith("not needed"))
-        _decision = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
-                     f"{report.vllm_version}, family {report.family}); import guard {guard}")
+        if not report.applied and report.skipped and all(
+                v.startswith("not needed") for v in report.skipped.values()):
+            return  # a module whose rows this build does not need: nothing to announce
         log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
                  "guard %s; activated by %s", report.vllm_version, report.family,
                  ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources))
+
+
+def _decision_text(report: Any, guard: str) -> str:
+    """``status()["decision"]`` from the merged report of every module patched so far."""
+    if not report.applied and report.reason is not None:
+        return "not patched: " + report.reason
+    skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
+                      if not v.startswith("not needed"))
+    text = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
+            f"{report.vllm_version}, family {report.family}); import guard {guard}")
+    return text + (f"; not patched: {report.reason}" if report.reason is not None else "")
 
 
 def _configure_logging(settings: config.Settings) -> None:
