@@ -43,12 +43,13 @@ COUNTER = "prefix_block_table"
 CALL_COUNTS.setdefault(COUNTER, 0)
 
 #: Fingerprints (``fingerprint``) of the ``_add_seq_group`` bodies this row was checked
-#: against, each one read in the official wheel named (and the CoreX stand-in, whose file is
-#: the official one).
+#: against, each one read in the official wheels named (the CoreX stand-in's file is the
+#: official 0.6.3.post1 one).
 KNOWN: Dict[str, str] = {
     "7848bcf2cba3f29c": "vLLM 0.6.3.post1 (CoreX 3.2.3's base)",
-    # Differs from 0.6.3's only in the compute_slot_mapping_start_idx call.
-    "e41c61b3201c3dd5": "vLLM 0.5.4, 0.5.5, 0.6.0, 0.6.1.post2, 0.6.2",
+    # Differs from 0.6.3's only in the compute_slot_mapping_start_idx call; Iluvatar's
+    # vendored CoreX 3.2.3 tree has this one (docs/prefix-block-table.md).
+    "e41c61b3201c3dd5": "vLLM 0.5.4, 0.5.5, 0.6.0, 0.6.1.post2, 0.6.2; CoreX 3.2.3's vendor tree",
 }
 
 PR = "vLLM pull request #9532"
