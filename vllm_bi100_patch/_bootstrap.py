@@ -10,6 +10,7 @@ that module (or at once, when it is already imported).
 from __future__ import annotations
 
 import _thread
+import os
 import sys
 from . import _log, config, table
 
@@ -223,8 +224,9 @@ def _on_target(module: Any) -> None:
                 v.startswith("not needed") for v in report.skipped.values()):
             return  # a module whose rows this build does not need: nothing to announce
         log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
-                 "guard %s; activated by %s", report.vllm_version, report.family,
-                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources))
+                 "guard %s; activated by %s (pid %d)", report.vllm_version, report.family,
+                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources),
+                 os.getpid())
 
 
 def _decision_text(report: Any, guard: str) -> str:
