@@ -27,6 +27,12 @@ MATRIX = ("0.5.2", "0.5.4", "0.6.3.post1", "0.6.6.post1", "0.7.3", "0.8.5", "0.9
 #: What plain ``nox`` (and so CI) runs: three families, one of them CoreX 3.2.x's 0.6.3.
 DEFAULT_REAL = ("0.6.3.post1", "0.7.3", "0.8.5")
 
+#: Releases whose V0 engine has the model-input builder tests/engine drives
+#: (``ModelInputForGPUBuilder`` + ``CommonMetadataBuilder``): their real sessions run it too.
+ENGINE = ("0.6.3.post1", "0.6.6.post1", "0.7.3")
+#: The release whose session also starts a local Ray cluster (tests/ray; ray comes with it).
+RAY = "0.6.3.post1"
+
 #: The stand-in of Iluvatar's CoreX 3.2.3 build (vLLM 0.6.3+corex.3.2.3), the real target.
 COREX = "real-corex-3.2.3"
 
@@ -76,7 +82,9 @@ def lint(session: nox.Session) -> None:
 def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
     session.install(TORCH, "numpy", *TEST_DEPS, "setuptools>=61", "wheel")
-    _pytest(session, "-m", "not real_vllm and not serve and not corex", "-q", *session.posargs)
+    _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray",
+            "-q",
+            *session.posargs)
 
 
 def _real(version: str):
@@ -85,8 +93,14 @@ def _real(version: str):
         vllm_env.install(version, session.virtualenv.location, [wheel, *TEST_DEPS])
         _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
                 env={"BI100_EXPECT_VLLM": version})
+        if version in ENGINE:
+            _pytest(session, "tests/engine", "-m", "engine", "-v", *session.posargs)
+        if version == RAY:
+            _pytest(session, "tests/ray", "-m", "ray", "-v", *session.posargs)
 
-    session_fn.__doc__ = f"tests/real against the official vLLM {version} wheel on CPU torch"
+    session_fn.__doc__ = (f"tests/real against the official vLLM {version} wheel on CPU torch"
+                          + (" (and tests/engine)" if version in ENGINE else "")
+                          + (" (and tests/ray)" if version == RAY else ""))
     return session_fn
 
 
@@ -98,13 +112,16 @@ for _v in MATRIX:
 def corex(session: nox.Session) -> None:
     """The official vLLM 0.6.3.post1 wheel turned into a stand-in of Iluvatar's CoreX 3.2.3
     build (vendor deltas of tests/corex/standin.py, fake ixformer with the BI-V100 hazards),
-    the shim installed from its wheel: tests/corex, then tests/real on the same venv."""
+    the shim installed from its wheel: tests/corex, then tests/real, tests/engine and tests/ray
+    on the same venv."""
     wheel = _shim_wheel(session)
     vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS])
     session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
     _pytest(session, "tests/corex", "-m", "corex", "-v", *session.posargs)
     _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
             env={"BI100_EXPECT_VLLM": "0.6.3+corex.3.2.3"})
+    _pytest(session, "tests/engine", "-m", "engine", "-v", *session.posargs)
+    _pytest(session, "tests/ray", "-m", "ray", "-v", *session.posargs)
 
 
 #: The CoreX 3.2.3 stack's torch release.  PyPI's Linux wheel of it is the CUDA 12.1 build

@@ -31,7 +31,7 @@ def reset_shim_state() -> None:
             registry._installed.clear()
             registry._warned.clear()
             registry._last_report = registry.Report()
-            registry._reports.clear()
+            registry._module_reports.clear()
         _bootstrap._sources.clear()
         _bootstrap._finder.hooks.clear()
         _bootstrap._finder.before.clear()

@@ -33,6 +33,10 @@ def fakes(tmp_path_factory):
         "v012": write_fake_vllm(str(base / "v012"), "0.12.0", with_methods=False),
         "corex43": write_fake_vllm(str(base / "corex43"), "0.8.3+corex.4.3.0"),
         "renamed": write_fake_vllm(str(base / "renamed"), "0.6.3", decode_params=renamed),
+        "builder_fixed": write_fake_vllm(str(base / "builder_fixed"), "0.6.3.post1",
+                                         metadata_builder="fixed"),
+        "builder_unknown": write_fake_vllm(str(base / "builder_unknown"), "0.6.3.post1",
+                                           metadata_builder="bug"),
         "ixformer": str(ixformer),
         "corex": str(corex),
     }
@@ -180,3 +184,18 @@ def test_status_names_the_serving_path_of_a_corex_4x_build(fakes):
     assert "Iluvatar CoreX 4.x build" in line and "not on the serving path" in line
     plain = cli(fakes, "v063", "status").stdout
     assert re.search(r"^serving_path +None$", plain, re.M)
+
+
+def test_doctor_shows_the_block_table_row(fakes):
+    """The prefix_block_table row's code check: absent builder, upstream fix, unknown shape."""
+    plain = cli(fakes, "v063", "doctor", VLLM_BI100_PATCH="1")
+    assert "import vllm.attention.backends.utils" in plain.stdout
+    assert "not in this build: prefix_block_table not needed" in plain.stdout
+    fixed = cli(fakes, "builder_fixed", "doctor", VLLM_BI100_PATCH="1")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    line = [ln for ln in fixed.stdout.splitlines() if "code check _add_seq_group" in ln]
+    assert line and "not needed in this build: this build has the upstream fix (vLLM pull " \
+        "request #9532" in line[0], fixed.stdout
+    unknown = cli(fakes, "builder_unknown", "doctor", VLLM_BI100_PATCH="1")
+    line = [ln for ln in unknown.stdout.splitlines() if "code check _add_seq_group" in ln]
+    assert line and "FAIL" in line[0] and "fingerprint" in line[0], unknown.stdout

@@ -191,11 +191,12 @@ def _code_checks(settings: config.Settings, family: versions.Family
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if name != table.PAGED_ATTN:
+            rows = registry.specs_for(name)
+            if name != table.PAGED_ATTN and all(s.row.when is not None for s in rows):
                 # e.g. the XFormers backend without xformers, or a vLLM without that module:
-                # vLLM cannot use it either
-                out.append(("info", f"import {name}", f"not importable here ({exc}): its "
-                            "rows do not apply"))
+                # vLLM cannot use it either, and its rows are all conditional
+                out.append(("info", f"import {name}", "not in this build: "
+                            + ", ".join(s.name for s in rows) + f" not needed ({exc})"))
                 continue
             out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
             continue

@@ -10,6 +10,7 @@ that module (or at once, when it is already imported).
 from __future__ import annotations
 
 import _thread
+import os
 import sys
 from . import _log, config, table
 
@@ -200,7 +201,7 @@ def _on_target(module: Any) -> None:
         try:
             from . import registry  # wrapt and the patch layer load here, not at start-up
 
-            registry.apply_to(module, _settings, strict=False)
+            this = registry.apply_to(module, _settings, strict=False)  # this module's rows
             report = registry.last_report()  # every target module patched so far, merged
         except Exception as exc:
             _last_error = f"{type(exc).__name__}: {exc}"
@@ -209,22 +210,35 @@ def _on_target(module: Any) -> None:
                 raise
             log.exception("vllm-bi100-patch: patching failed")
             return
-        if report.reason is not None:
-            _decision = "not patched: " + report.reason
-            if _strict:
-                raise registry.PatchError(report.reason)
-            return
         from . import import_guard
 
         guard = "on" if import_guard.installed() else "off"
+        _decision = _decision_text(report, guard)
+        if this.reason is not None:
+            if _strict:
+                raise registry.PatchError(this.reason)
+            return
         # Conditional rows this build does not need are in status()["report"], not here.
         skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
                           if not v.startswith("not needed"))
-        _decision = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
-                     f"{report.vllm_version}, family {report.family}); import guard {guard}")
+        if not this.applied and this.skipped and all(
+                v.startswith("not needed") for v in this.skipped.values()):
+            return  # a module whose rows this build does not need: nothing to announce
         log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
-                 "guard %s; activated by %s", report.vllm_version, report.family,
-                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources))
+                 "guard %s; activated by %s (pid %d)", report.vllm_version, report.family,
+                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources),
+                 os.getpid())
+
+
+def _decision_text(report: Any, guard: str) -> str:
+    """``status()["decision"]`` from the merged report of every module patched so far."""
+    if not report.applied and report.reason is not None:
+        return "not patched: " + report.reason
+    skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
+                      if not v.startswith("not needed"))
+    text = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
+            f"{report.vllm_version}, family {report.family}); import guard {guard}")
+    return text + (f"; not patched: {report.reason}" if report.reason is not None else "")
 
 
 def _configure_logging(settings: config.Settings) -> None:

@@ -4,9 +4,10 @@ The patches themselves are rows of ``vllm_bi100_patch.table``; ``SPECS`` is deri
 method rows, and whether to patch at all is ``decision.decide``'s answer.
 
 Style: attributes are resolved through ``vars(cls)`` along the MRO, never
-``getattr``, so a staticmethod stays one; the raw descriptor is saved only when it is not our
-own wrapper (so patching twice never loses the original, gevent's concern) and restored as the
-very same object on revert.
+``getattr``, so a staticmethod stays one (and a plain method is wrapped as the function it is,
+never as a bound method); the raw descriptor is saved only when it is not our own wrapper (so
+patching twice never loses the original, gevent's concern) and restored as the very same object
+on revert.  Rows of several modules each keep their report; ``last_report`` merges them.
 """
 
 from __future__ import annotations
@@ -75,11 +76,23 @@ class PatchSpec:
     def params(self, family: versions.Family) -> Tuple[str, ...]:
         """The parameter names the code check expects in ``family``."""
         how, _, what = (self.row.params or "").partition(":")
+        if how == "code":
+            return ()
         if how == "family":
             return tuple(getattr(family, what))
         if how == "names":
             return tuple(n for n in what.split(",") if n)
         raise ValueError(f"table row {self.name}: unknown params check {self.row.params!r}")
+
+    @property
+    def instance_method(self) -> bool:
+        """A plain function of the class (bound to the instance), not a staticmethod."""
+        return self.row.kind == table.WRAP_INSTANCE
+
+    def code_check(self) -> Optional[Callable[[Any], Optional[str]]]:
+        """The row's own check of the code (``params="code:module:function"``), if any."""
+        how, _, what = (self.row.params or "").partition(":")
+        return table.resolve(what) if how == "code" else None  # type: ignore[return-value]
 
     def factory(self) -> Callable[..., Any]:
         return table.resolve(self.row.factory)  # type: ignore[return-value]
@@ -117,25 +130,9 @@ _originals: Dict[Tuple[type, str], Any] = {}
 #: (class, attribute) -> the descriptor we installed (to recognise our own patch).
 _installed: Dict[Tuple[type, str], Any] = {}
 _last_report = Report()
-#: module name -> the report of its last apply; ``_last_report`` is their merge (table order).
-_reports: Dict[str, Report] = {}
+#: module name -> the report of its last apply (``_last_report`` is their merge).
+_module_reports: Dict[str, Report] = {}
 _warned: set = set()
-
-
-def _merge(reports: List[Report]) -> Report:
-    """One report for every target module patched in this process."""
-    out = Report()
-    reasons: List[str] = []
-    for r in reports:
-        out.vllm_version = r.vllm_version or out.vllm_version
-        out.family = r.family or out.family
-        out.applied += [n for n in r.applied if n not in out.applied]
-        out.skipped.update(r.skipped)
-        out.checks.update(r.checks)
-        if r.reason is not None and r.reason not in reasons:
-            reasons.append(r.reason)
-    out.reason = "; ".join(reasons) if reasons else None
-    return out
 
 
 def warn_once(reason: str) -> None:
@@ -175,17 +172,7 @@ def find_descriptor(cls: type, attr: str) -> Tuple[Optional[type], Any]:
 def is_ours(descriptor: Any) -> bool:
     if isinstance(descriptor, staticmethod):
         return type(descriptor.__func__) is PatchWrapper
-    return type(descriptor) is PatchWrapper  # a plain method patched in place
-
-
-def _function_of(desc: Any) -> Optional[Callable[..., Any]]:
-    """The function behind a patchable class attribute: a staticmethod's, or a plain method
-    (``def f(self, ...)`` in the class body); None for anything else."""
-    if isinstance(desc, staticmethod):
-        return desc.__func__
-    if isinstance(desc, types.FunctionType):
-        return desc
-    return None
+    return type(descriptor) is PatchWrapper
 
 
 def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[str]:
@@ -204,9 +191,18 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
 
 def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
     where = f"{spec.owner}.{spec.attr}"
-    func = _function_of(desc)
-    if func is None:
-        return f"{where} is a {type(desc).__name__}, not a staticmethod or a plain method"
+    func: Callable[..., Any]
+    if spec.instance_method:
+        if not isinstance(desc, types.FunctionType):
+            return f"{where} is a {type(desc).__name__}, not a plain method"
+        func = desc
+    elif not isinstance(desc, staticmethod):
+        return f"{where} is a {type(desc).__name__}, not a staticmethod"
+    else:
+        func = desc.__func__
+    code_check = spec.code_check()
+    if code_check is not None:
+        return code_check(func)
     try:
         params = tuple(inspect.signature(func).parameters)
     except (TypeError, ValueError) as exc:
@@ -240,8 +236,10 @@ def check_rows(module: types.ModuleType, family: versions.Family,
 
 
 def missing_classes(module: types.ModuleType) -> List[str]:
-    """The owner classes of ``module``'s rows that the module does not define."""
-    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__))
+    """The owner classes of ``module``'s rows that the module does not define (rows whose
+    own check says this build does not need them are left out)."""
+    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__)
+                           if not s.not_needed(module))
     return [name for name in owners if not isinstance(vars(module).get(name), type)]
 
 
@@ -299,8 +297,8 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
             report.reason = verdict.reason
         if report.reason is not None:
             report.reason += "; " + consequence()
-        _reports[module.__name__] = report
-        _last_report = _merge([_reports[m] for m in table.hooked_modules() if m in _reports])
+        _module_reports[module.__name__] = report
+        _last_report = _merged()
         if report.reason is not None:
             warn_once(report.reason)
             if strict:
@@ -322,13 +320,13 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
             # Not ours, so it is what revert must give back: the true original, or whatever
             # another tool installed after an earlier revert (never our own wrapper).
             _originals[key] = desc
-            func = _function_of(desc)
-            assert func is not None  # check_code passed
+            func = desc if spec.instance_method else desc.__func__
             wrapper = spec.factory()(family, func, module, settings)
             label = (f"{spec.owner}.{spec.attr} (vLLM {report.vllm_version}, family "
                      f"{family.name})")
-            patched = PatchWrapper(func, wrapper, label)
-            new: Any = staticmethod(patched) if isinstance(desc, staticmethod) else patched
+            new: Any = PatchWrapper(func, wrapper, label)
+            if not spec.instance_method:
+                new = staticmethod(new)
             setattr(owner, spec.attr, new)
             _installed[key] = new
             done.append(key)
@@ -359,10 +357,30 @@ def revert_all() -> List[str]:
         for key in list(_installed):
             if _restore(key):
                 restored.append(key[1])
+        for rep in _module_reports.values():
+            rep.applied.clear()
         _last_report.applied.clear()
-        for r in _reports.values():
-            r.applied.clear()
         return restored
+
+
+def _merged() -> Report:
+    """One report for every module patched: the modules' rows together; a module's reason
+    (why it was not patched) names the module when there are several."""
+    reports = list(_module_reports.items())
+    if len(reports) == 1:
+        return reports[0][1]
+    out = Report()
+    reasons = []
+    for name, rep in reports:
+        out.vllm_version = out.vllm_version or rep.vllm_version
+        out.family = out.family or rep.family
+        out.applied += rep.applied
+        out.skipped.update(rep.skipped)
+        out.checks.update(rep.checks)
+        if rep.reason is not None:
+            reasons.append(f"{name}: {rep.reason}")
+    out.reason = "; ".join(reasons) if reasons else None
+    return out
 
 
 def get_original(cls: type, attr: str) -> Any:

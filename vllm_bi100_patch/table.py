@@ -11,12 +11,16 @@ Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch
 Row fields:
 
 - ``name``: the patch's name in ``VLLM_BI100_PATCH_DISABLE``, logs and ``status()``.
-- ``kind``: ``"wrap_method"`` (a staticmethod replaced by a wrapt wrapper, exact revert) or
-  ``"guard_import"`` (a ``sys.meta_path`` finder serves a refusing substitute module).
+- ``kind``: ``"wrap_method"`` (a staticmethod replaced by a wrapt wrapper, exact revert),
+  ``"wrap_instance_method"`` (a plain function of the class replaced by a wrapt wrapper that
+  binds like it, exact revert) or ``"guard_import"`` (a ``sys.meta_path`` finder serves a
+  refusing substitute module).
 - ``target``: ``"module:Class.attr"`` for a method, ``"module"`` for an import guard (wrapt's
   "module:attribute" style).
 - ``params``: the code check, for a method: ``"family:<Family attribute>"`` (the parameter
-  names depend on the vLLM signature family) or ``"names:a,b,c"`` (the same in every family).
+  names depend on the vLLM signature family), ``"names:a,b,c"`` (the same in every family) or
+  ``"code:module:function"`` (``function(original)`` returns None or what differs: for code
+  whose shape, not only its parameters, the patch relies on).
 - ``factory``: ``"module:function"`` building the wrapper (``factory(family, original, module,
   settings)``), or installing the guard.
 - ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module)``
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from typing import Optional, Tuple
 
 WRAP_METHOD = "wrap_method"
+WRAP_INSTANCE = "wrap_instance_method"
 GUARD_IMPORT = "guard_import"
 
 
@@ -70,6 +75,7 @@ class Patch:
 
 PAGED_ATTN = "vllm.attention.ops.paged_attn"
 XFORMERS = "vllm.attention.backends.xformers"
+BACKEND_UTILS = "vllm.attention.backends.utils"
 _ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
 
 PATCHES: Tuple[Patch, ...] = (
@@ -161,7 +167,7 @@ PATCHES: Tuple[Patch, ...] = (
         upstream="Iluvatar's build",
         removal="when Iluvatar's `reshape_and_cache` passes the dtype and scales on"),
     Patch(
-        "dense_prefill", WRAP_METHOD,
+        "dense_prefill", WRAP_INSTANCE,
         XFORMERS + ":XFormersImpl._run_memory_efficient_xformers_forward",
         "vllm_bi100_patch.patches.dense_prefill:make_dense_wrapper",
         params="names:self,query,key,value,attn_metadata,attn_type",
@@ -179,6 +185,31 @@ PATCHES: Tuple[Patch, ...] = (
              "builds whose backend calls ixformer's `FwOp`",
         upstream="Iluvatar's build (ixformer's flash attention above head size 128)",
         removal="when ixformer's `FwOp` handles head sizes above 128"),
+    Patch(
+        "prefix_block_table", WRAP_INSTANCE,
+        BACKEND_UTILS + ":CommonMetadataBuilder._add_seq_group",
+        "vllm_bi100_patch.patches.block_tables:make_wrapper",
+        params="code:vllm_bi100_patch.patches.block_tables:check",
+        when="vllm_bi100_patch.patches.block_tables:fix_needed",
+        why="with chunked prefill and prefix caching (CoreX 3.2.3 turns chunked prefill on "
+            "above 32K), every chunk after a prompt's cached prefix keeps `prefix_cache_hit` "
+            "and gets `computed_block_nums` (the cached blocks only) as its block table: "
+            "alone in a batch the prefix kernel refuses the short table (every request "
+            "fails), batched its row is zero-padded and block 0 is read as context "
+            "(silently wrong tokens)",
+        how="while the original runs for a group with a prefix-cache hit, the group's "
+            "`computed_block_nums` is its sequence's own block table, so the method appends "
+            "`block_tables[seq_id]` exactly as vLLM 0.6.4 does; only where the method still "
+            "assigns `block_table = computed_block_nums`, on the code shape it was checked "
+            "against",
+        vllm="0.5.4 – 0.6.3 (code checked against each of them; driven through vLLM's "
+             "scheduler and input builder on 0.6.3.post1 and CoreX 3.2.3); not applied from "
+             "0.6.4 (fixed upstream)",
+        upstream="vLLM pull request #9532 (\"Fix illegal memory access error with chunked "
+                 "prefill, prefix caching, block manager v2 and xformers enabled together\"), "
+                 "in 0.6.4",
+        removal="when the oldest vLLM the shim supports is 0.6.4, or Iluvatar's build "
+                "carries the fix (the row then reports itself not needed)"),
 )
 
 
@@ -188,7 +219,8 @@ def names() -> Tuple[str, ...]:
 
 
 def methods() -> Tuple[Patch, ...]:
-    return tuple(p for p in PATCHES if p.kind == WRAP_METHOD)
+    """The rows that wrap a method (static or plain)."""
+    return tuple(p for p in PATCHES if p.kind in (WRAP_METHOD, WRAP_INSTANCE))
 
 
 def guards() -> Tuple[Patch, ...]:
@@ -224,7 +256,8 @@ def catalogue() -> str:
     rows = ["| patch | target | why | how | vLLM | upstream | removal |",
             "|---|---|---|---|---|---|---|"]
     for p in PATCHES:
-        kind = "import guard" if p.kind == GUARD_IMPORT else "method"
+        kind = {GUARD_IMPORT: "import guard", WRAP_INSTANCE: "instance method"}.get(p.kind,
+                                                                                  "method")
         rows.append(f"| `{p.name}` ({kind}) | `{p.target}` | {p.why} | {p.how} | {p.vllm} | "
                     f"{p.upstream} | {p.removal} |")
     return "\n".join(rows)

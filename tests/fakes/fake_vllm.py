@@ -314,10 +314,45 @@ def paged_attn_source(family: versions.Family, guarded_import: bool = True,
     return "\n".join(lines)
 
 
+#: ``vllm/attention/backends/utils.py`` with a hand-written ``CommonMetadataBuilder`` whose
+#: ``_add_seq_group`` has the shape the ``prefix_block_table`` row reads (the block-table
+#: choice of vLLM 0.6.3, ``"bug"``, or of 0.6.4, ``"fixed"``); not vLLM's code, so its
+#: fingerprint is not one of the row's known shapes (tests add it).
+_BUILDER = '''"""Fake attention-backend utils (the block-table part of the metadata builder)."""
+
+
+class CommonMetadataBuilder:
+
+    def __init__(self):
+        self.block_tables = []
+        self.context_lens = []
+
+    def _add_seq_group(self, inter_data, chunked_prefill_enabled):
+        is_prompt = inter_data.is_prompt
+        block_tables = inter_data.block_tables
+        computed_block_nums = inter_data.computed_block_nums
+        for seq_id, context_len in zip(inter_data.seq_ids, inter_data.context_lens):
+            self.context_lens.append(context_len)
+            block_table = []
+            if inter_data.prefix_cache_hit:
+                block_table = {hit}
+            elif (chunked_prefill_enabled or not is_prompt) and block_tables is not None:
+                block_table = block_tables[seq_id]
+            self.block_tables.append(block_table)
+
+
+class XFormersMetadataBuilder(CommonMetadataBuilder):
+    pass
+'''
+BUILDERS = {"bug": "computed_block_nums", "fixed": "block_tables[seq_id]"}
+
+
 def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] = None,
                     with_methods: bool = True, block_ops: str = "stock",
+                    metadata_builder: Optional[str] = None,
                     **source_options: object) -> str:
-    """Create ``root/vllm`` and ``root/vllm-VERSION.dist-info``; returns root."""
+    """Create ``root/vllm`` and ``root/vllm-VERSION.dist-info``; returns root.
+    ``metadata_builder`` (``"bug"``/``"fixed"``) adds ``vllm/attention/backends/utils.py``."""
     fam = family or versions.family_for(versions.VersionInfo(version)) or versions.FAMILIES[-1]
     ops_dir = os.path.join(root, "vllm", "attention", "ops")
     os.makedirs(ops_dir, exist_ok=True)
@@ -333,6 +368,12 @@ def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] =
             '"""Fake paged_attn without the methods (0.12+)."""\n\nclass PagedAttention:\n'
             '    pass\n'),
     }
+    if metadata_builder is not None:
+        backends = os.path.join(root, "vllm", "attention", "backends")
+        os.makedirs(backends, exist_ok=True)
+        files[os.path.join(backends, "__init__.py")] = ""
+        files[os.path.join(backends, "utils.py")] = _BUILDER.replace(
+            "{hit}", BUILDERS[metadata_builder])
     for path, text in files.items():
         with open(path, "w") as fh:
             fh.write(text)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import pytest
 import serve_helpers as sh
@@ -51,10 +51,27 @@ REQUEST_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 60
 DTYPE = os.environ.get("BI100_SERVE_DTYPE", "float32")
 
+def _split_cpus() -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for two CPU workers: this process's CPUs in two halves
+    (vLLM's automatic binding wants one NUMA node per worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    first, second = cpus[:half], cpus[half:] or cpus[:half]
+    return "|".join(",".join(str(c) for c in part) for part in (first, second))
+
+
 RUNS: Dict[str, Dict[str, str]] = {
     "stock": {"VLLM_BI100_PATCH": "0"},
     "native": {"VLLM_BI100_PATCH": "1"},
     "fallback": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_DECODE_FALLBACK_ABOVE": "0"},
+    # Two tensor-parallel workers (multiprocessing executor), each its own process: the shim
+    # must be active in each; torch.distributed on loopback.
+    "tp2": {"VLLM_BI100_PATCH": "1", "VLLM_HOST_IP": sh.LOOPBACK,
+            "VLLM_CPU_OMP_THREADS_BIND": _split_cpus()},
+}
+#: Extra ``vllm serve`` options of a run.
+RUN_FLAGS: Dict[str, List[str]] = {
+    "tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
 }
 
 
@@ -158,14 +175,15 @@ class RssSampler(threading.Thread):
 # --------------------------------------------------------------------------------------------
 # One server run.
 
-def _vllm_command(model_dir: str, port: int) -> List[str]:
+def _vllm_command(model_dir: str, port: int, extra: Sequence[str] = ()) -> List[str]:
     exe = os.path.join(os.path.dirname(PYTHON), "vllm")
     head = [exe, "serve", model_dir] if os.path.exists(exe) else \
         [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
     # vllm-cpu without IPEX has no prefill with cached context (bi100_test_plugin's
     # docstring): no prefix caching, and a token budget that takes every prompt whole.
     return head + sh.server_flags(port, dtype=DTYPE, extra=[
-        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--max-num-batched-tokens", "8192"])
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--max-num-batched-tokens", "8192",
+        *extra])
 
 
 def _server_env(label: str, counts_dir: str) -> Dict[str, str]:
@@ -186,7 +204,7 @@ def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
     log_path = os.path.join(workdir, "server.log")
     port = sh.free_port()
     base = sh.base_url(port)
-    cmd = _vllm_command(model_dir, port)
+    cmd = _vllm_command(model_dir, port, RUN_FLAGS.get(label, ()))
     result: Dict[str, Any] = {"label": label, "log": log_path, "cmd": cmd, "env": RUNS[label]}
     t_start = time.perf_counter()
     proc = sh.start(cmd, _server_env(label, counts_dir), log_path, cwd=workdir)
@@ -220,13 +238,16 @@ def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
 
 def _read_counts(counts_dir: str) -> Dict[str, Any]:
     total: Dict[str, Any] = {"routed": 0, "shim": {}, "pids": [], "bound_ops": False,
-                             "shim_patched": []}
+                             "shim_patched": [], "per_pid": {}}
     for name in sorted(os.listdir(counts_dir)):
         if not (name.startswith("counts-") and name.endswith(".json")):
             continue
         with open(os.path.join(counts_dir, name)) as f:
             data = json.load(f)
         total["pids"].append(data["pid"])
+        total["per_pid"][str(data["pid"])] = {"routed": data["routed"],
+                                              "shim_patched": data["shim_patched"],
+                                              "shim": data["shim_counts"]}
         total["routed"] += data["routed"]
         total["bound_ops"] = total["bound_ops"] or data["bound_ops"]
         total["shim_patched"] = sorted(set(total["shim_patched"]) | set(data["shim_patched"]))
@@ -284,7 +305,7 @@ def _write_report(cache: Dict[str, Dict[str, Any]]) -> None:
             report["runs"][label]["prompt_tokens"] = [c["prompt_tokens"]
                                                       for c in r["completions"]]
     stock = cache.get("stock", {}).get("completions")
-    for label in ("native", "fallback"):
+    for label in ("native", "fallback", "tp2"):
         other = cache.get(label, {}).get("completions")
         if stock and other:
             report["runs"][label]["vs_stock"] = sh.compare(stock, other)
@@ -348,3 +369,20 @@ def test_greedy_tokens_identical_to_stock(servers, label):
     assert result["all_identical"], (
         f"{label} differs from stock: {json.dumps(result)}\nstock: "
         f"{[c['ids'] for c in stock]}\n{label}: {[c['ids'] for c in other]}")
+
+
+def test_tensor_parallel_workers_each_run_the_shim(servers):
+    """``--tensor-parallel-size 2``: each worker process logs the shim's INFO line and decodes
+    through the patched method (its own counters)."""
+    r = servers("tp2")
+    _check_completions(r)
+    counts = r["counts_live"]
+    workers = counts["per_pid"]
+    assert len(workers) == 2, counts
+    for pid, worker in workers.items():
+        assert worker["routed"] > 0 and worker["shim"].get("forward_decode") == \
+            worker["routed"], (pid, worker)
+        assert "forward_decode" in worker["shim_patched"], (pid, worker)
+    info = [ln for ln in r["log_text"].splitlines() if sh.SHIM_INFO in ln]
+    for pid in workers:
+        assert any(f"(pid {pid})" in ln for ln in info), (pid, info)

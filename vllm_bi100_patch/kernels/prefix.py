@@ -199,7 +199,10 @@ def _check_lengths(starts: List[int], contexts: List[int], totals: List[int], nu
             raise ValueError(
                 f"block_tables too short: context_lens[{i}]={contexts[i]} needs "
                 f"{ceil_div(contexts[i], block_size)} blocks of {block_size}, block_tables "
-                f"has {table_width} columns")
+                f"has {table_width} columns (vLLM 0.5.4 - 0.6.3 give a chunk past a cached "
+                "prefix only the cached blocks, vLLM pull request #9532; the shim's "
+                "prefix_block_table row fixes that metadata: see `vllm-bi100-patch doctor`, "
+                "and VLLM_BI100_PATCH_DISABLE must not name it)")
 
 
 def _check_block_ids(block_tables: torch.Tensor, contexts: List[int], block_size: int,

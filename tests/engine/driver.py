@@ -1,0 +1,463 @@
+"""vLLM's own engine code builds the attention metadata that reaches the patched methods.
+
+Runs inside a fresh interpreter of a venv with a real vLLM (0.6.x/0.7.x, V0 engine) and the
+installed shim: ``python driver.py SCENARIO [SCENARIO ...]`` prints one report line per
+scenario (``helpers.probes.report``).  Per engine step it does what ``LLMEngine.step`` and the
+GPU worker do, with vLLM's own code wherever metadata is made:
+
+- ``vllm.core.scheduler.Scheduler`` (block manager v2 with prefix caching, chunked prefill,
+  preemption by recompute or swap) schedules the requests;
+- the blocks it asks to swap or copy are moved in a CPU-side cache pair (the cache engine's
+  job; test-side ``index_copy_``, or the shim's ``swap_blocks`` where it patched it);
+- the real ``vllm.worker.model_runner.ModelInputForGPUBuilder`` (a minimal runner object with
+  only what it reads) with the XFormers backend's metadata builder makes the model input;
+- ``XFormersImpl.forward`` writes the new tokens into the paged cache and calls the patched
+  ``PagedAttention.forward_prefix`` / ``forward_decode`` (one attention layer, no weights);
+- every output row is compared with ``helpers.reference.attend`` (float64, dense) over the
+  sequence's true tokens; then the step is advanced as ``LLMEngine._advance_to_next_step``
+  does (computed tokens, one sampled token per sequence that samples).
+
+Q/K/V of a token are fixed functions of (token id, position): a token at the same position in
+two requests has the same K/V, so a prefix-cache hit reads exactly what a recompute would.
+
+What it cannot model: the model's layers and sampler (next tokens are a fixed function of the
+step), CUDA graphs, the native kernels of a GPU build, multi-step scheduling and the async
+output processor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
+
+from helpers.probes import report  # noqa: E402
+
+BLOCK = 16
+CHUNK = 32
+HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
+VOCAB = 997
+MAX_LEN = 512
+
+
+def _fake_xformers() -> None:
+    """vLLM's XFormers backend imports ``xformers``, which has no CPU build: put the tests'
+    CPU stand-in first on sys.path when the real one is not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("xformers") is None:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fakes", "fake_xformers"))
+
+
+class Tables:
+    """The Q/K/V of a token as a function of (token id, position), float32."""
+
+    def __init__(self, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.q_tok = torch.randn(VOCAB, HEADS, HEAD_SIZE, generator=g)
+        self.k_tok = torch.randn(VOCAB, KV_HEADS, HEAD_SIZE, generator=g)
+        self.v_tok = torch.randn(VOCAB, KV_HEADS, HEAD_SIZE, generator=g)
+        self.q_pos = torch.randn(MAX_LEN, HEADS, HEAD_SIZE, generator=g) * 0.5
+        self.k_pos = torch.randn(MAX_LEN, KV_HEADS, HEAD_SIZE, generator=g) * 0.5
+
+    def qkv(self, tokens, positions):
+        q = self.q_tok[tokens] + self.q_pos[positions]
+        k = self.k_tok[tokens] + self.k_pos[positions]
+        v = self.v_tok[tokens]
+        return q, k, v
+
+
+class Runner:
+    """What ``ModelInputForGPUBuilder`` and the metadata builder read of a model runner."""
+
+    def __init__(self, scheduler_config, block_size: int, num_blocks: int) -> None:
+        import numpy as np
+        import torch
+        from vllm.attention.backends.xformers import XFormersBackend
+        from vllm.worker.model_runner import ModelInputForGPU
+
+        self.scheduler_config = scheduler_config
+        self.block_size = block_size
+        self.attn_backend = XFormersBackend
+        self._model_input_cls = ModelInputForGPU
+        self.inter_data_cache: dict = {}
+        self.sliding_window = None
+        self.lora_config = None
+        self.prompt_adapter_config = None
+        self.multi_modal_input_mapper = None
+        self.model_is_mrope = False
+        self.device = torch.device("cpu")
+        self.pin_memory = False
+        self.max_seq_len_to_capture = MAX_LEN
+        self.max_batchsize_to_capture = 0
+        self.graph_block_tables = np.zeros((1, num_blocks), dtype=np.int32)
+        self.model_config = _ModelConfig()
+
+    def get_max_block_per_batch(self) -> int:
+        return self.graph_block_tables.shape[1]
+
+
+class _ModelConfig:
+    is_encoder_decoder_model = False
+    is_encoder_decoder = False
+    enforce_eager = True
+    hf_config = None
+    uses_mrope = False
+
+
+def _reshape_and_cache_cpu():
+    """A test-side ``reshape_and_cache`` for official CUDA wheels on a CPU torch (their native
+    op is missing); the vendor stand-in brings its own (fake ixformer)."""
+    import torch
+
+    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
+        x = key_cache.shape[4]
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0:
+                continue
+            blk, off = divmod(slot, key_cache.shape[3])
+            key_cache[blk, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
+            value_cache[blk, :, :, off] = value[t]
+
+    return torch, reshape_and_cache
+
+
+class Engine:
+    """The scheduler, the caches, one attention layer and the reference check."""
+
+    last = None  # the engine of the scenario running now (its calls are reported on errors)
+
+    def __init__(self, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64,
+                 preemption_mode=None, max_num_seqs: int = 8) -> None:
+        import torch
+        from vllm.config import CacheConfig, SchedulerConfig
+        from vllm.core.scheduler import Scheduler
+        from vllm.attention.backends.xformers import XFormersImpl
+        from vllm.attention.ops.paged_attn import PagedAttention
+        import vllm._custom_ops as ops
+
+        if not _native_cache_write():
+            ops.reshape_and_cache = _reshape_and_cache_cpu()[1]
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=CHUNK,
+                                            max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
+                                            enable_chunked_prefill=True,
+                                            preemption_mode=preemption_mode)
+        cache_config = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9,
+                                   swap_space=0, cache_dtype="auto",
+                                   enable_prefix_caching=True)
+        cache_config.num_gpu_blocks = num_gpu_blocks
+        cache_config.num_cpu_blocks = num_cpu_blocks
+        self.scheduler = Scheduler(self.sched_config, cache_config, None)
+        self.runner = Runner(self.sched_config, BLOCK, num_gpu_blocks)
+        self.impl = XFormersImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None,
+                                 "auto")
+        shape = PagedAttention.get_kv_cache_shape(num_gpu_blocks, BLOCK, KV_HEADS, HEAD_SIZE)
+        g = torch.Generator().manual_seed(1)
+        # Blocks nobody wrote hold noise, never zeros: reading one is visible in the output.
+        self.gpu = torch.randn(shape, generator=g) * 3
+        self.cpu = torch.randn(PagedAttention.get_kv_cache_shape(
+            num_cpu_blocks, BLOCK, KV_HEADS, HEAD_SIZE), generator=g) * 3
+        self.tables = Tables()
+        self.seqs: dict = {}
+        self.next_seq_id = 0
+        self.step_no = 0
+        self.calls: list = []
+        self.events: list = []
+        Engine.last = self
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, request_id: str, prompt, max_tokens: int):
+        from vllm.sampling_params import SamplingParams
+        from vllm.sequence import Sequence, SequenceGroup
+
+        seq = Sequence(self.next_seq_id, _inputs(list(prompt)), BLOCK)
+        self.next_seq_id += 1
+        group = SequenceGroup(request_id, [seq], time.time(),
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        self.seqs[seq.seq_id] = (seq, max_tokens)
+        self.scheduler.add_seq_group(group)
+        return seq
+
+    def finished(self) -> bool:
+        return not self.scheduler.has_unfinished_seqs()
+
+    # -- one engine step -------------------------------------------------------------------
+    def step(self) -> None:
+        from vllm.worker.model_runner import ModelInputForGPUBuilder
+
+        metas, outputs = self.scheduler.schedule()[:2]
+        self.step_no += 1
+        self._move_blocks(outputs)
+        if outputs.preempted:
+            self.events.append(f"step {self.step_no}: {outputs.preempted} preempted")
+        if not metas:
+            return
+        builder = ModelInputForGPUBuilder(self.runner, [])
+        if hasattr(builder, "prepare"):  # 0.6.5+: one builder per runner, prepared per step
+            builder.prepare([])
+        for meta in metas:
+            builder.add_seq_group(meta)
+        model_input = builder.build()
+        md = model_input.attn_metadata
+        if md is None:
+            self._advance(metas, outputs)
+            return
+        tokens = model_input.input_tokens
+        positions = model_input.input_positions
+        q, k, v = self.tables.qkv(tokens, positions)
+        n = tokens.shape[0]
+        out = _forward(self.impl, q.view(n, -1), k.view(n, -1), v.view(n, -1), self.gpu, md)
+        out = out.view(n, HEADS, HEAD_SIZE)
+        self._check(metas, model_input, q, out)
+        self._advance(metas, outputs)
+
+    def _move_blocks(self, outputs) -> None:
+        """What the cache engine does with the scheduler's block moves: through the backend's
+        ``swap_blocks`` (``PagedAttention.swap_blocks``) where the shim patched it (builds
+        whose ops cannot swap), else test-side (the official CUDA wheel has no CPU op)."""
+        from vllm.attention.backends.xformers import XFormersBackend
+        from vllm.attention.ops.paged_attn import PagedAttention
+        from vllm_bi100_patch import registry
+
+        via_shim = registry.is_ours(vars(PagedAttention)["swap_blocks"])
+        for name, src, dst in (("blocks_to_swap_out", self.gpu, self.cpu),
+                               ("blocks_to_swap_in", self.cpu, self.gpu)):
+            pairs = list(getattr(outputs, name))
+            if pairs:
+                how = "shim swap_blocks" if via_shim else "test-side copy"
+                self.events.append(f"step {self.step_no}: {name} {pairs} ({how})")
+                if via_shim:
+                    import torch
+
+                    XFormersBackend.swap_blocks(src, dst, torch.tensor(pairs, dtype=torch.int64))
+                else:
+                    _swap(src, dst, pairs)
+        copies = list(outputs.blocks_to_copy)
+        if copies:
+            self.events.append(f"step {self.step_no}: blocks_to_copy {copies}")
+            for s, d in copies:
+                self.gpu[:, d] = self.gpu[:, s]
+
+    def _check(self, metas, model_input, q, out) -> None:
+        """Every row against the dense float64 attention over its sequence's true tokens."""
+        from helpers.reference import attend, rel_error
+
+        row = 0
+        md = model_input.attn_metadata
+        bt = md.prefill_metadata.block_tables if md.num_prefills else None
+        prefill_i = 0
+        for (seq_id, is_prompt, computed), qlen in zip(_seq_rows(metas),
+                                                       model_input.query_lens):
+            seq = self.seqs[seq_id][0]
+            true = seq.get_token_ids()
+            pos = model_input.input_positions[row:row + qlen].tolist()
+            kk = self.tables.k_tok[true[:pos[-1] + 1]] + self.tables.k_pos[:pos[-1] + 1]
+            vv = self.tables.v_tok[true[:pos[-1] + 1]]
+            ref = attend(q[row:row + qlen], kk, vv, pos, HEAD_SIZE ** -0.5)
+            err = rel_error(out[row:row + qlen], ref)
+            call = {"step": self.step_no, "seq": seq_id, "prompt": is_prompt,
+                    "positions": [pos[0], pos[-1]], "err": err}
+            if is_prompt and bt is not None:
+                call["table_cols"] = int(bt.shape[1])
+                call["table"] = [int(b) for b in bt[prefill_i].tolist()]
+                call["context_len"] = int(md.prefill_metadata.context_lens_tensor[prefill_i])
+                call["own_table"] = list(seq_table(self.scheduler, seq_id))
+                call["cached_blocks"] = list(computed or [])
+                prefill_i += 1
+            self.calls.append(call)
+            row += qlen
+
+    def _advance(self, metas, outputs) -> None:
+        from vllm.sequence import SequenceStatus
+
+        for meta, scheduled in zip(metas, outputs.scheduled_seq_groups):
+            group = scheduled.seq_group
+            group.update_num_computed_tokens(meta.token_chunk_size)
+            if not meta.do_sample:
+                continue
+            for seq in group.get_seqs(status=SequenceStatus.RUNNING):
+                token = (seq.seq_id * 131 + self.step_no * 17 + seq.get_len()) % VOCAB
+                seq.append_token_id(token, {token: _logprob()})
+                if seq.get_output_len() >= self.seqs[seq.seq_id][1]:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                    self.scheduler.free_seq(seq)
+        self.scheduler.free_finished_seq_groups()
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if self.finished():
+                return
+            self.step()
+        raise RuntimeError(f"requests not finished after {max_steps} steps")
+
+
+def _seq_rows(metas):
+    for meta in metas:
+        for seq_id in meta.seq_data:
+            yield seq_id, meta.is_prompt, meta.computed_block_nums
+
+
+def seq_table(scheduler, seq_id):
+    for group in scheduler.running:
+        for seq in group.seqs:
+            if seq.seq_id == seq_id:
+                return scheduler.block_manager.get_block_table(seq)
+    return []
+
+
+def _swap(src, dst, pairs) -> None:
+    import torch
+
+    s = torch.tensor([a for a, _ in pairs])
+    d = torch.tensor([b for _, b in pairs])
+    dst.index_copy_(1, d, src.index_select(1, s))
+
+
+def _inputs(tokens):
+    try:
+        from vllm.inputs import token_inputs
+    except ImportError:
+        return {"prompt_token_ids": tokens}
+    return token_inputs(tokens)
+
+
+def _logprob():
+    from vllm.sequence import Logprob
+
+    return Logprob(0.0)
+
+
+class _Layer:
+    """The attention layer's scales, which ``XFormersImpl.forward`` reads from 0.7 on."""
+    _k_scale = 1.0
+    _v_scale = 1.0
+
+
+def _forward(impl, q, k, v, kv_cache, md):
+    """``XFormersImpl.forward`` as each release takes it: ``(layer, q, k, v, ...)`` from 0.7,
+    ``(q, k, v, kv_cache, attn_metadata, k_scale, v_scale)`` before."""
+    import inspect
+
+    params = list(inspect.signature(impl.forward).parameters)
+    if params[0] == "layer":
+        return impl.forward(_Layer(), q, k, v, kv_cache, md)
+    return impl.forward(q, k, v, kv_cache, md, **{p: 1.0 for p in ("k_scale", "v_scale")
+                                                   if p in params})
+
+
+def _native_cache_write() -> bool:
+    """Whether this build's ``ops.reshape_and_cache`` runs here (a one-token trial write)."""
+    import torch
+    import vllm._custom_ops as ops
+    from vllm.attention.ops.paged_attn import PagedAttention
+
+    kv = torch.zeros(PagedAttention.get_kv_cache_shape(1, BLOCK, KV_HEADS, HEAD_SIZE))
+    kc, vc = PagedAttention.split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
+    k = torch.ones(1, KV_HEADS, HEAD_SIZE)
+    try:
+        ops.reshape_and_cache(k, k, kc, vc, torch.tensor([3]), "auto", 1.0, 1.0)
+    except Exception:  # the official CUDA wheel on a CPU torch: no native op
+        return False
+    return bool(vc[0, :, :, 3].eq(1).all())
+
+
+# -- scenarios -------------------------------------------------------------------------------
+def _prompt(n, seed, offset=0):
+    return [(seed * 7919 + offset + 31 * i) % VOCAB for i in range(n)]
+
+
+def chunked_hit(hit_tokens: int, length: int = 128, shared=None):
+    """A first request computes the shared prefix; a second, longer prompt starting with the
+    same tokens is prefilled in chunks with the prefix-cache hit."""
+    eng = Engine()
+    shared = hit_tokens if shared is None else shared
+    first = _prompt(shared, 1) + _prompt(BLOCK, 9, 5)
+    eng.add("warm", first, 1)
+    eng.run()
+    second = first[:shared] + _prompt(length - shared, 2)
+    eng.add("hit", second, 3)
+    eng.run()
+    return eng
+
+
+def batch_shared():
+    """Two requests share a prefix in one batch: one has the prefix-cache hit, the other
+    (another prefix) has none; both in chunks, then decodes."""
+    eng = Engine()
+    prefix = _prompt(32, 3)
+    eng.add("warm", prefix + _prompt(8, 4), 1)
+    eng.run()
+    # 80 tokens: chunks [0, 32) (a full hit: one token computed), [32, 64), then [64, 80)
+    # shares its step with the first 16 tokens of the request without a hit.
+    eng.add("hit", prefix + _prompt(48, 5), 4)
+    eng.add("miss", _prompt(80, 6), 4)
+    eng.run()
+    return eng
+
+
+def decode_steps():
+    eng = Engine()
+    eng.add("a", _prompt(40, 7), 12)
+    eng.add("b", _prompt(21, 8), 12)
+    eng.run()
+    return eng
+
+
+def preempt(mode: str):
+    """Too few blocks for two growing requests: the later one is preempted (recompute: its
+    prompt and outputs are prefilled again, partly from the prefix cache; swap: its blocks go
+    to the CPU cache and come back)."""
+    eng = Engine(num_gpu_blocks=9, num_cpu_blocks=16, preemption_mode=mode)
+    eng.add("a", _prompt(60, 10), 24)
+    eng.add("b", _prompt(50, 11), 24)
+    eng.run()
+    return eng
+
+
+def long_decode():
+    """Decode past VLLM_BI100_V1_MAX_SEQ_LEN (set small by the test)."""
+    eng = Engine()
+    eng.add("a", _prompt(40, 12), 40)
+    eng.run()
+    return eng
+
+
+SCENARIOS = {
+    "hit_lt_chunk": lambda: chunked_hit(16),
+    "hit_eq_chunk": lambda: chunked_hit(32),
+    "hit_gt_chunk": lambda: chunked_hit(64),
+    "hit_inside_chunk": lambda: chunked_hit(48),
+    "hit_inside_block": lambda: chunked_hit(32, shared=40),
+    "batch_shared": batch_shared,
+    "decode_steps": decode_steps,
+    "preempt_recompute": lambda: preempt("recompute"),
+    "preempt_swap": lambda: preempt("swap"),
+    "long_decode": long_decode,
+}
+
+
+def main(names) -> None:
+    _fake_xformers()
+    import vllm_bi100_patch
+
+    for name in names:
+        Engine.last = None
+        try:
+            eng = SCENARIOS[name]()
+            report(scenario=name, ok=True, calls=eng.calls, events=eng.events,
+                   status=vllm_bi100_patch.status())
+        except Exception as exc:
+            eng = Engine.last
+            report(scenario=name, ok=False, error=f"{type(exc).__name__}: {exc}",
+                   trace=traceback.format_exc()[-3000:], calls=eng.calls if eng else [],
+                   status=vllm_bi100_patch.status())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(SCENARIOS))
