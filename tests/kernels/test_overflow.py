@@ -8,6 +8,7 @@ cases are the reproductions of the issue, made cheap (one KV head, small heads).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -82,3 +83,25 @@ def test_window_hidden_slots_never_reach_the_output(dtype, poison, path, formula
     assert torch.equal(out, clean)
     ref = ref_prefix(*case, 64 ** -0.5, sliding_window=5)
     assert rel_error(out, ref) <= TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+
+
+def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch):
+    """q = k = 100 in every component of a 128-wide head: scale * q.k = 113,137 is past the
+    float16 range even when scaled first; the sequence is recomputed with float32 products
+    (a WARNING names it) and the answer is the exact uniform mean (the values, 1,000)."""
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
+    quiet = magnitude_case(torch.float16, 64, 4, 1.0, 1.0, 1000.0, constant=True)
+    loud = magnitude_case(torch.float16, 64, 4, 100.0, 100.0, 1000.0, constant=True)
+    both = [torch.cat([a, b]) for a, b in zip(quiet[:3], loud[:3])]
+    kc, vc = (torch.cat([a, b]) for a, b in zip(quiet[3:5], loud[3:5]))
+    blocks = quiet[5].shape[1]
+    bt = torch.stack([quiet[5][0], loud[5][0] + blocks])
+    args = (*both, kc, vc, bt, torch.tensor([0, 4, 8], dtype=torch.int32),
+            torch.tensor([68, 68], dtype=torch.int32), torch.tensor([64, 64], dtype=torch.int32))
+    out = paged_prefix(*args)
+    assert torch.equal(out.float(), torch.full(out.shape, 1000.0))
+    warned = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
+    assert len(warned) == 1 and "sequence 1 overflowed" in warned[0], warned

@@ -14,7 +14,10 @@ K and V tiles, scores and the softmax state are allocated once per sequence and 
 every chunk and tile.  The causal/window mask is only built for tiles that need one, and
 key tiles a chunk cannot see (outside its sliding window) are skipped.  Only the first
 ``context`` cached slots are read into a tile's visible part: slots past the end of the
-cache never reach the output.
+cache never reach the output, nor do slots before the sliding window's start (zeroed in
+the tile that straddles it).  In float16 no ``P.V`` product can overflow (value tiles are
+scaled by a power of two), and a sequence whose scores overflowed is flagged for a float32
+recompute (``TiledSequence.overflow``).
 """
 
 from __future__ import annotations
