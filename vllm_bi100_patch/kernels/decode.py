@@ -15,8 +15,9 @@ values are never transposed: each ``[head_size, block_size]`` block is used as a
 transposed matmul operand.  On GPUs (``"native"``) each tile is gathered in one strided
 ``index_select`` in the cache's dtype and both products run with half-precision inputs
 and float32 accumulation; neither can overflow the half dtype (the query is bounded by
-``_common.bounded_query``, each tile's probabilities are divided by twice their sum).  Value slots past a sequence's end are zeroed before ``P.V``
-(on CPU only in tiles where some sequence ends: the lengths are free to read there).
+``_common.bounded_query``, each tile's probabilities are divided by twice their sum).
+Value slots past a sequence's end are zeroed before ``P.V`` (on CPU only in tiles where
+some sequence ends: the lengths are free to read there).
 No per-sequence ``.item()``.
 """
 
