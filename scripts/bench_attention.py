@@ -37,6 +37,12 @@ made of many short parallel operations (the paged kernels) far more than one lon
 kernel (SDPA).  ``--omp-passive`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (the
 header prints the policy in force) so both can be compared under the same policy.
 
+``--baseline DIR`` loads a second copy of the package from the checkout ``DIR`` (e.g. ``git
+archive main vllm_bi100_patch | tar -x -C DIR``) and runs its kernels in the same interleaved
+rounds as ``paged``, with the same formulation forced: two more columns, its median and
+``paged/baseline``.  Without it, and on CPU, decode also gets a ``native`` row (the GPU compute
+mode of ``paged_decode``).
+
 Also writes ``results.json`` and ``decode_vs_context.png`` (time vs context length for the
 fallback, SDPA, the seed baseline and the native kernels; skipped without matplotlib)
 into ``--out``.  ``--quick`` uses small shapes (seconds).  ``--device cuda`` runs the GPU
@@ -46,6 +52,8 @@ cases (decode over 32K and 128K tokens, tiled prefix 1x(32K+512) and 4x(8K+256))
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -209,21 +217,40 @@ def copy_bandwidth(device: str, repeats: int) -> float:
     return 2 * t.numel() * 4 / med
 
 
-def formulation(kind: str, fn: Fn) -> Fn:
+#: The kernels of ``--baseline`` (a module with ``paged_decode``, ``paged_prefix``,
+#: ``prefix`` and ``_common``), or None.
+BASELINE: Optional[Any] = None
+
+
+def load_baseline(root: str) -> Any:
+    """The ``kernels`` package of another checkout of this project, under its own name."""
+    pkg = os.path.join(os.path.abspath(root), "vllm_bi100_patch")
+    spec = importlib.util.spec_from_file_location(
+        "bi100_baseline", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {root}: no vllm_bi100_patch package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bi100_baseline"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("bi100_baseline.kernels")
+
+
+def formulation(kind: str, fn: Fn, kernels: Any = None) -> Fn:
     """``fn`` run with the tiled prefix path and/or the GPU's compute mode forced (``kind``:
-    ``"default"``, ``"tiled"`` or ``"native"``)."""
+    ``"default"``, ``"tiled"`` or ``"native"``) in ``kernels`` (default: this package's)."""
     if kind == "default":
         return fn
+    pre, common = (prefix, _common) if kernels is None else (kernels.prefix, kernels._common)
 
     def run() -> Any:
-        saved = (prefix.FORCE_PATH, getattr(_common, "FORCE_COMPUTE", None))
-        prefix.FORCE_PATH = "tiled"
+        saved = (pre.FORCE_PATH, getattr(common, "FORCE_COMPUTE", None))
+        pre.FORCE_PATH = "tiled"
         if kind == "native":
-            _common.FORCE_COMPUTE = "native"
+            common.FORCE_COMPUTE = "native"
         try:
             return fn()
         finally:
-            prefix.FORCE_PATH, _common.FORCE_COMPUTE = saved
+            pre.FORCE_PATH, common.FORCE_COMPUTE = saved
 
     return run
 
@@ -247,6 +274,10 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: A
     }
     if ops is not None:
         fns["native"] = lambda: native_decode(ops, q, kc, vc, bt, sl, ctx)
+    if BASELINE is not None:
+        base = BASELINE
+        fns["baseline"] = formulation(kind, lambda: base.paged_decode(
+            q, kc, vc, bt, sl, scale, max_seq_len=ctx), base)
     ref = fns["sdpa"]().view(num_seqs, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
     label = "" if kind == "default" else f" {kind}"
@@ -282,6 +313,10 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
                            expand=not SDPA_GQA or not device.startswith("cpu")),
         "seed": lambda: seed_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
     }
+    if BASELINE is not None:
+        base = BASELINE
+        fns["baseline"] = formulation(kind, lambda: base.paged_prefix(
+            q, k, v, kc, vc, bt, qsl, sl, cl), base)
     ref = fns["sdpa"]().transpose(1, 2).reshape(batch * new, HEADS, HEAD_SIZE).float()
     err = (fns["paged"]().float() - ref).abs().max().item()
     label = "" if kind == "default" else f" {kind}"
@@ -298,10 +333,14 @@ def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
 # --- report -----------------------------------------------------------------------------
 
 def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
+    base = any("baseline" in r for r in rows)
     head = ("| case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged | "
-            "KV GB/s (of copy bw) | peak extra MiB paged / seed | max err vs SDPA |")
-    out = [head, "|" + "---|" * 10]
+            "KV GB/s (of copy bw) | peak extra MiB paged / seed | max err vs SDPA |"
+            + (" baseline ms | paged/baseline |" if base else ""))
+    out = [head, "|" + "---|" * (12 if base else 10)]
     for r in rows:
+        tail = (f" {r['baseline'] * 1e3:.1f} | {r['paged'] / r['baseline']:.2f}x |"
+                if base else "")
         native = f"{r['native'] * 1e3:.1f}" if "native" in r else "-"
         gbs = r["kv_bytes"] / r["paged"] / 1e9
         out.append(
@@ -309,7 +348,7 @@ def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
             f"{r['seed'] * 1e3:.1f} | {native} | {r['paged'] / r['sdpa']:.2f}x | "
             f"{r['seed'] / r['paged']:.2f}x | {gbs:.2f} ({gbs * 1e9 / bandwidth:.0%}) | "
             f"{r.get('peak_paged', 0) / 2**20:.1f} / {r.get('peak_seed', 0) / 2**20:.1f} | "
-            f"{r['max_abs_err_vs_sdpa']:.1e} |")
+            f"{r['max_abs_err_vs_sdpa']:.1e} |" + tail)
     return "\n".join(out)
 
 
@@ -340,7 +379,8 @@ def targets(rows: List[Dict[str, Any]], bandwidth: float, gpu: bool) -> List[str
                 ratio_line("tiled prefix <= 2x dense SDPA",
                            lambda r: r["kind"] == "prefix", [("x SDPA", "sdpa", 2.0)])]
     return [ratio_line("decode <= 1.0x dense SDPA",
-                       lambda r: r["kind"] == "decode", [("x SDPA", "sdpa", 1.0)]),
+                       lambda r: r["kind"] == "decode" and not r["case"].endswith(" native"),
+                       [("x SDPA", "sdpa", 1.0)]),
             ratio_line("tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed",
                        lambda r: r["case"].endswith(" native") and r["kind"] == "prefix",
                        [("x SDPA", "sdpa", 1.2), ("seed/paged", "seed", 2.0)])]
@@ -386,7 +426,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="skip the decode-time-vs-context curve and its plot")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a checkout whose kernels run side by side (two more columns)")
     args = parser.parse_args(argv)
+    global BASELINE
+    BASELINE = load_baseline(args.baseline) if args.baseline else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -421,7 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
           f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
 
-    rows = [decode_case(s, c, dtype, device, ops, repeats) for s, c in decode_cases]
+    rows = [decode_case(s, c, dtype, device, ops, repeats, kind=k)
+            for s, c in decode_cases for k in ["default"] + extra[1:]]
     rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
              for b, c, n in prefix_cases for k in ["default"] + extra]
     print(table(rows, bandwidth))

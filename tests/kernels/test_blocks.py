@@ -71,3 +71,49 @@ def test_mismatched_caches_are_refused():
                            torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match=r"\[2, num_blocks, \.\.\.\]"):
         blocks.swap_blocks(torch.zeros(3, 4), _cache(3, torch.float16, 1), torch.tensor([[0, 0]]))
+
+
+CHUNKS = [1, 3000, 2 * 16 * 64 * 2 * 2, blocks.CHUNK_BYTES]  # 1 block, 1, 2 and all per chunk
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
+@pytest.mark.parametrize("mapping, match", [
+    ([[1, 2], [2, 3]], "block 2 is both a source and a destination"),  # chained
+    ([[2, 1], [1, 2]], "block 1 is both a source and a destination"),  # a swap of two
+    ([[1, 3], [2, 3], [4, 5]], "block 3 is the destination of 2 pairs"),
+])
+def test_chained_or_duplicate_destinations_are_refused(mapping, match, chunk_bytes):
+    """vLLM's copy kernel applies the pairs in parallel (a chain or a repeated destination
+    races); here they are refused for every chunk size, before anything is moved."""
+    layers = [_cache(6, torch.float16, s) for s in range(2)]
+    before = [c.clone() for c in layers]
+    with pytest.raises(ValueError, match=match):
+        blocks.copy_blocks(layers, torch.tensor(mapping), chunk_bytes=chunk_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(layers, before))
+    if "destination of" in match:  # a repeated destination is refused by swap_blocks too
+        dst = _cache(6, torch.float16, 9)
+        with pytest.raises(ValueError, match=match.replace("pairs", "pairs of src_to_dst")):
+            blocks.swap_blocks(layers[0], dst, torch.tensor(mapping), chunk_bytes=chunk_bytes)
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
+def test_copy_result_does_not_depend_on_the_chunk_size(chunk_bytes):
+    """One source copied to several destinations, in every layer: parallel semantics (every
+    source read before any write), whatever the chunk size."""
+    layers = [_cache(8, torch.bfloat16, s) for s in range(2)]
+    before = [c.clone() for c in layers]
+    mapping = torch.tensor([[1, 4], [1, 5], [2, 6], [0, 7]])
+    blocks.copy_blocks(layers, mapping, chunk_bytes=chunk_bytes)
+    for now, was in zip(layers, before):
+        for s, d in mapping.tolist():
+            assert torch.equal(now[:, d], was[:, s])
+        assert torch.equal(now[:, :4], was[:, :4])
+
+
+def test_copy_block_id_missing_in_a_later_layer_is_named_before_moving():
+    layers = [_cache(8, torch.float16, 0), _cache(8, torch.float16, 1),
+              _cache(5, torch.float16, 2)]
+    before = [c.clone() for c in layers]
+    with pytest.raises(ValueError, match=r"kv_caches\[2\] has 5 blocks"):
+        blocks.copy_blocks(layers, torch.tensor([[1, 6]]))
+    assert all(torch.equal(a, b) for a, b in zip(layers, before))

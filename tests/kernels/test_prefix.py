@@ -272,3 +272,12 @@ def _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, 
     slopes = torch.rand(kv_heads * group) if use_alibi else None
     out = _run(args, sliding_window=window, alibi_slopes=slopes)
     _check(out, _ref(args, 32 ** -0.5, sliding_window=window, alibi_slopes=slopes), dtype)
+
+
+def test_decreasing_query_start_loc_is_named_before_seq_lens():
+    """[0, 10, 5]: sequence 0 would get 10 tokens (its seq_lens says 5), sequence 1 minus 5;
+    the error is about query_start_loc, not a seq_lens mismatch."""
+    args = list(_case(torch.float32, 64, 4, 2, 16, [20, 3], [5, 5]))
+    args[6] = torch.tensor([0, 10, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing.*\[0, 10, 5\]"):
+        paged_prefix(*args)

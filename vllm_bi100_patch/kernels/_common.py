@@ -11,7 +11,7 @@ Everything here works on plain tensors and never imports vLLM.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -212,7 +212,12 @@ def compute_mode(device: torch.device) -> str:
     type); the running max, sum and output accumulator stay float32.  A GEMM's output is
     in its input dtype, so scores and each tile's ``P.V`` are rounded once to it: the
     error this adds is what the kernels' tests bound per dtype, on CPU, with this mode
-    forced.  ``FORCE_COMPUTE`` overrides the choice (tests and the benchmark).
+    forced.  Nothing rounded to float16 may overflow (its range ends at 65,504): decode
+    bounds the query (``bounded_query``) and normalises each tile's probabilities, the
+    tiled prefix scales each float16 value tile by a power of two and recomputes in
+    float32 a sequence whose float16 scores overflowed (see those modules;
+    ``docs/bi100-limits.md`` states what is guaranteed).  ``FORCE_COMPUTE`` overrides the
+    choice (tests and the benchmark).
     """
     if FORCE_COMPUTE is not None:
         return FORCE_COMPUTE
@@ -224,18 +229,49 @@ def work_dtype(query_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if compute_mode(device) == "fp32" else query_dtype
 
 
-def accumulate_bmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` (batched); ``acc`` is float32, ``a``/``b`` in the work dtype."""
-    if a.dtype == torch.float32:
+def accumulate_bmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   weight: Optional[torch.Tensor] = None) -> None:
+    """``acc += (a @ b) * weight`` (batched); ``acc`` and ``weight`` (broadcast against the
+    product, e.g. one factor per row or per column) are float32, ``a``/``b`` in the work
+    dtype; no ``weight`` means 1."""
+    if a.dtype == torch.float32 and weight is None:
         acc.baddbmm_(a, b)
+        return
+    product = torch.bmm(a, b)
+    product = product if product.dtype == torch.float32 else product.float()
+    if weight is None:
+        acc.add_(product)  # same-dtype add: the fast path
     else:
-        acc.add_(torch.bmm(a, b).float())  # same-dtype add: the fast path
+        acc.addcmul_(product, weight)
 
 
 def scores_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (batched) as float32, from operands in the work dtype."""
     product = torch.bmm(a, b)
     return product if product.dtype == torch.float32 else product.float()
+
+
+def pow2_at_least(t: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``>= t`` (float32, elementwise; ``t`` >= 0, 0 gives the
+    smallest normal float32): dividing by it is exact, so operands keep every bit."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.exp2(torch.ceil(torch.log2(t.float().clamp_min(tiny))))
+
+
+def bounded_query(q: torch.Tensor, scale: ScaleLike, dtype: torch.dtype
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``scale * q`` split as ``q' * factor`` for half-precision score products.
+
+    ``q'`` (in ``dtype``, contiguous) is ``q`` divided by a power of two per row (last
+    dimension) so that ``max |q'| <= 1 / head_size``: then ``|q' . k| <= max |k|`` for every
+    key, so a product of ``q'`` with keys finite in ``dtype`` is finite in ``dtype`` whatever
+    its reduction order, and float32 scores are ``(q' . k) * factor`` (``factor`` float32,
+    ``[..., 1]``: the power of two times ``scale``).  Dividing by a power of two is exact
+    (float16 components below 2**-14 of it lose low bits, far below the score's own
+    rounding)."""
+    qf = q.to(torch.float32)
+    step = pow2_at_least(qf.abs().amax(dim=-1, keepdim=True) * q.shape[-1])
+    return (qf / step).to(dtype).contiguous(), step * scale
 
 
 def as_count(name: str, value: object) -> int:

@@ -14,17 +14,20 @@ K and V tiles, scores and the softmax state are allocated once per sequence and 
 every chunk and tile.  The causal/window mask is only built for tiles that need one, and
 key tiles a chunk cannot see (outside its sliding window) are skipped.  Only the first
 ``context`` cached slots are read into a tile's visible part: slots past the end of the
-cache never reach the output.
+cache never reach the output, nor do slots before the sliding window's start (zeroed in
+the tile that straddles it).  In float16 no ``P.V`` product can overflow (value tiles are
+scaled by a power of two), and a sequence whose scores overflowed is flagged for a float32
+recompute (``TiledSequence.overflow``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ._common import accumulate_bmm, ceil_div, work_dtype
+from ._common import accumulate_bmm, ceil_div, pow2_at_least, work_dtype
 from ._gather import gather_keys, gather_values
 from ._prefix_plan import PrefixInputs, PrefixPlan, SeqSpan, value_columns
 from ._softmax import OnlineSoftmax
@@ -35,12 +38,13 @@ __all__ = ["TiledSequence"]
 class TiledSequence:
     """One sequence on the tiled path, with its buffers sized by the plan."""
 
-    def __init__(self, inp: PrefixInputs, seq: SeqSpan, plan: PrefixPlan) -> None:
+    def __init__(self, inp: PrefixInputs, seq: SeqSpan, plan: PrefixPlan,
+                 dtype: Optional[torch.dtype] = None) -> None:
         spec, device = inp.spec, inp.query.device
         self.inp, self.seq = inp, seq
         self.q_chunk = min(plan.q_chunk, max(1, seq.q_len))
         self.k_tile = plan.k_tile
-        self.dtype = work_dtype(inp.query.dtype, device)
+        self.dtype = dtype or work_dtype(inp.query.dtype, device)
         kv, d = spec.num_kv_heads, spec.head_size
         self.cols = value_columns(d, torch.empty((), dtype=self.dtype).element_size())
         rows = inp.group * self.q_chunk
@@ -55,6 +59,16 @@ class TiledSequence:
         # A float scale is the GEMM's alpha (applied before the scores' one rounding); a
         # tensor scale multiplies the query instead.
         self._scale_in_gemm = isinstance(inp.q_scale, float)
+        # float16 (range 65,504): each value tile is divided by a power of two >= its largest
+        # magnitude, and the P.V columns multiplied back in float32 (``_value_scale``), so
+        # that no P.V sum can overflow; scores cannot be bounded for free, so a sequence
+        # whose float16 scores overflowed is flagged (``overflow``: a running max that is not
+        # finite, where every query sees at least itself) and recomputed by the caller.
+        self._half_range = self.dtype == torch.float16
+        self.overflow: Optional[torch.Tensor] = None
+        if self._half_range:
+            self.overflow = torch.zeros((), dtype=torch.bool, device=device)
+            self._col_scale = torch.ones(1, 1, self.cols, dtype=torch.float32, device=device)
 
     def run(self, out: torch.Tensor) -> None:
         """Attend every query of the sequence; writes its rows of ``out``."""
@@ -81,12 +95,16 @@ class TiledSequence:
         for t0 in range(lo // bs * bs, ctx_end, self.k_tile):
             t1 = min(t0 + self.k_tile, ctx_end)
             keys, values = self._context_tile(t0, t1)
+            if t0 < lo:  # slots before the window's start: no query of the chunk sees them
+                values[:, :lo - t0, :d].zero_()
             self._attend(qm, keys, values, (t0, t1), (q_first, q_last))
         # New tokens: [max(lo, ctx), hi) from key/value.
         for t0 in range(max(lo, seq.ctx), hi, self.k_tile):
             t1 = min(t0 + self.k_tile, hi)
             keys, values = self._new_tile(t0, t1)
             self._attend(qm, keys, values, (t0, t1), (q_first, q_last))
+        if self.overflow is not None:
+            self.overflow |= ~self._state.m.isfinite().all()
         result = self._state.normalised(d).view(kv, group, n_q, d)
         out[seq.start + c0:seq.start + c1].view(n_q, kv, group, d).copy_(
             result.permute(2, 0, 1, 3))
@@ -146,15 +164,30 @@ class TiledSequence:
             q_pos = torch.arange(q_first, q_last + 1, device=device, dtype=torch.int64)
             rel = k_pos.view(1, tokens) - q_pos.view(n_q, 1)  # key_pos - query_pos
             if inp.slopes is not None:
-                view.addcmul_(inp.slopes.to(view.dtype),
-                              rel.to(view.dtype).view(1, 1, n_q, tokens))
+                # In float32 (distances past 65,504 are inf in float16, rounded in
+                # bfloat16), rounded once into the scores.
+                view.addcmul_(inp.slopes, rel.to(torch.float32).view(1, 1, n_q, tokens))
             if needs_causal or needs_window:
                 hidden = rel > 0
                 if inp.window is not None:
                     hidden |= rel <= -inp.window
                 view.masked_fill_(hidden.view(1, 1, n_q, tokens), -math.inf)
         probs = self._state.step(scores)
-        accumulate_bmm(self._state.acc, probs, values)
+        accumulate_bmm(self._state.acc, probs, values,
+                       self._value_scale(values) if self._half_range else None)
+
+    def _value_scale(self, values: torch.Tensor) -> torch.Tensor:
+        """Divide the tile's values (in place) by a power of two >= their largest magnitude
+        and >= 1 (exact); returns the float32 column factors that undo it (1 for the sum columns)."""
+        d = self.inp.spec.head_size
+        low, high = torch.aminmax(values[:, :, :d])
+        # >= 1: values below 1 stay as they are (a tile's P.V is then below its token
+        # count), and 1 / step (2**-16 at the least) is exact in float16.
+        step = pow2_at_least(torch.maximum(torch.maximum(-low, high).float(),
+                                           torch.ones((), device=values.device)))
+        values[:, :, :d].mul_(1 / step)
+        self._col_scale[..., :d] = step
+        return self._col_scale
 
     def _scores(self, qm: torch.Tensor, keys: torch.Tensor, rows: int,
                 tokens: int) -> torch.Tensor:

@@ -36,6 +36,8 @@ class OnlineSoftmax:
         self.m = self._m
         self.acc = self._acc
         self.l_sum: Optional[torch.Tensor] = self._l
+        #: The last tile's row sums (float32, with ``separate_sum`` only).
+        self.tile_sum: Optional[torch.Tensor] = None
         self.reset(rows_shape)
 
     def reset(self, rows_shape: Tuple[int, ...]) -> None:
@@ -63,7 +65,8 @@ class OnlineSoftmax:
         # cast is exact, and same-dtype in-place ops take the fast (vectorised) path.
         probs = scores.sub_(m_safe.to(scores.dtype)).exp_()
         if self.l_sum is not None:
-            self.l_sum.mul_(corr).add_(probs.sum(dim=-1, keepdim=True, dtype=torch.float32))
+            self.tile_sum = probs.sum(dim=-1, keepdim=True, dtype=torch.float32)
+            self.l_sum.mul_(corr).add_(self.tile_sum)
         return probs
 
     def normalised(self, head_size: int) -> torch.Tensor:

@@ -14,22 +14,26 @@ K tile is gathered as whole blocks, transposed as 16-byte units and converted to
 values are never transposed: each ``[head_size, block_size]`` block is used as a
 transposed matmul operand.  On GPUs (``"native"``) each tile is gathered in one strided
 ``index_select`` in the cache's dtype and both products run with half-precision inputs
-and float32 accumulation.  Value slots past a sequence's end are zeroed before ``P.V``
-(on CPU only in tiles where some sequence ends: the lengths are free to read there).
+and float32 accumulation; neither can overflow the half dtype (the query is bounded by
+``_common.bounded_query``, each tile's probabilities are divided by twice their sum).
+Value slots past a sequence's end are zeroed before ``P.V`` (on CPU only in tiles where
+some sequence ends: the lengths are free to read there).
 No per-sequence ``.item()``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from ._common import (
+    CacheSpec,
     ScaleLike,
     accumulate_bmm,
     as_count,
+    bounded_query,
     ceil_div,
     check_alibi,
     check_cache,
@@ -118,6 +122,30 @@ def paged_decode(
             these value checks would need a host sync, so they are skipped there).
         NotImplementedError: an fp8 cache on a torch without float8 dtypes.
     """
+    spec, group, width, shortest = _check_call(query, key_cache, value_cache, block_tables,
+                                               seq_lens, alibi_slopes, kv_cache_dtype,
+                                               max_seq_len)
+    out = torch.zeros_like(query)
+    num_seqs, _, head_size = query.shape
+    if num_seqs == 0 or width == 0:
+        return out
+    q_scale = scale_factor(scale, "scale")
+    if spec.fp8:
+        q_scale = q_scale * scale_factor(k_scale, "k_scale")
+    result = _attend(query, key_cache, value_cache, block_tables, seq_lens, q_scale,
+                     alibi_slopes, spec, width, shortest)
+    if spec.fp8:
+        result.mul_(scale_factor(v_scale, "v_scale"))
+    out.view(num_seqs, spec.num_kv_heads, group, head_size).copy_(result.permute(1, 0, 2, 3))
+    return out
+
+
+def _check_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                alibi_slopes: Optional[torch.Tensor], kv_cache_dtype: str,
+                max_seq_len: Optional[int]) -> Tuple[CacheSpec, int, int, int]:
+    """Validate the call; returns the cache spec, the GQA group, the gathered width in
+    blocks and the shortest sequence length (0 where reading it would sync)."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError("query must be 3-D [num_seqs, num_heads, head_size], got shape "
                          f"{tuple(getattr(query, 'shape', ()))}")
@@ -131,28 +159,31 @@ def paged_decode(
                     ("seq_lens", seq_lens)):
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
-
     block_size = spec.block_size
     table_width = block_tables.shape[1]
+    width = table_width
     if max_seq_len is not None:
         max_seq_len = as_count("max_seq_len", max_seq_len)
         # An inflated bound (vLLM passes max_seq_len_to_capture under CUDA graphs) never
         # widens the gather past the table.
         width = min(ceil_div(max_seq_len, block_size), table_width)
-    else:
-        width = table_width
     # Positions below ``shortest`` are inside every sequence: tiles that end there need no
     # value zeroing. Known for free on CPU; on devices reading it would sync, so 0.
     shortest = 0
     if query.device.type == "cpu":
         shortest = _check_values_cpu(block_tables, seq_lens, width, block_size,
                                      spec.num_blocks, max_seq_len)
+    return spec, group, width, shortest
 
-    out = torch.zeros_like(query)
-    if num_seqs == 0 or width == 0:
-        return out
 
-    kv_heads = spec.num_kv_heads
+def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, q_scale: ScaleLike,
+            alibi_slopes: Optional[torch.Tensor], spec: CacheSpec, width: int,
+            shortest: int) -> torch.Tensor:
+    """The tile loop; returns the normalised float32 ``[kv_heads, num_seqs, group, D]``."""
+    num_seqs, num_heads, head_size = query.shape
+    kv_heads, block_size = spec.num_kv_heads, spec.block_size
+    group = num_heads // kv_heads
     device = query.device
     dtype = work_dtype(query.dtype, device)
     seq_lens_i = seq_lens.to(torch.int64)
@@ -163,16 +194,15 @@ def paged_decode(
     safe_tables = torch.where(used, block_tables[:, :width].to(torch.int64),
                               torch.zeros((), dtype=torch.int64, device=device))
 
-    q_scale = scale_factor(scale, "scale")
-    if spec.fp8:
-        q_scale = q_scale * scale_factor(k_scale, "k_scale")
     # Query kv-head-major [kv, num_seqs, group, D] (a new tensor: the input is left alone).
-    # float32: pre-scaled; native: exact in its dtype, the scores are scaled instead.
+    # float32: pre-scaled; half: bounded (no score product can overflow), the float32
+    # scores are scaled instead.
     q_kv = query.view(num_seqs, kv_heads, group, head_size).permute(1, 0, 2, 3)
+    row_scale: Optional[torch.Tensor] = None
     if dtype == torch.float32:
         qf = (q_kv.to(torch.float32) * q_scale).contiguous()
     else:
-        qf = q_kv.to(dtype).contiguous()
+        qf, row_scale = bounded_query(q_kv, q_scale, dtype)
 
     slopes: Optional[torch.Tensor] = None
     last_pos: Optional[torch.Tensor] = None
@@ -199,8 +229,8 @@ def paged_decode(
                             keys.view(batch, tokens, head_size).transpose(1, 2))
         scores = scores.view(kv_heads, num_seqs, group, tokens)
         del keys
-        if dtype != torch.float32:
-            scores.mul_(q_scale)
+        if row_scale is not None:
+            scores.mul_(row_scale)
 
         pos = offsets[:tokens] + w0 * block_size
         if slopes is not None and last_pos is not None:
@@ -209,7 +239,16 @@ def paged_decode(
         # masked_fill (not an additive mask) also replaces NaN/inf scores of unused keys.
         scores.masked_fill_(beyond.view(1, num_seqs, 1, tokens), -math.inf)
         hidden = beyond if (w0 + n) * block_size > shortest else None
-        probs = state.step(scores).to(dtype)
+        probs = state.step(scores)
+        weight: Optional[torch.Tensor] = None
+        if dtype != torch.float32:
+            # Half products: the tile's probabilities are divided by twice their row sum
+            # before rounding (they sum to <= 1/2, so P.V, a weighted mean of the values,
+            # stays finite in any order of summation); the sum is put back in float32.
+            assert state.tile_sum is not None
+            weight = state.tile_sum.mul(2).clamp_min_(torch.finfo(torch.float32).tiny)
+            probs = probs.div_(weight)
+        probs = probs.to(dtype)
 
         if blockwise_values:
             # Per block: [group, bs] @ [bs, D] against the native [D, bs] block (a
@@ -218,20 +257,22 @@ def paged_decode(
             p_blocks = probs.view(kv_heads, num_seqs, group, n, block_size).permute(
                 1, 3, 0, 2, 4)
             pv = torch.matmul(p_blocks, values.transpose(-1, -2))  # [S, n, kv, group, D]
-            state.acc.add_(pv.sum(dim=1, dtype=torch.float32).permute(1, 0, 2, 3))
+            pv_sum = pv.sum(dim=1, dtype=torch.float32).permute(1, 0, 2, 3)
+            del pv
+            if weight is None:
+                state.acc.add_(pv_sum)
+            else:
+                state.acc.addcmul_(pv_sum, weight)
         else:
             values = gather_values(value_cache, ids, num_seqs, n, spec, dtype, hidden)
             accumulate_bmm(state.acc.view(batch, group, head_size),
                            probs.view(batch, group, tokens),
-                           values.view(batch, tokens, head_size))
+                           values.view(batch, tokens, head_size),
+                           None if weight is None else weight.view(batch, group, 1))
         del values, probs, scores
 
     # The row sum is >= 1 wherever a key was visible; 0 (acc 0 too) for empty sequences.
-    result = state.normalised(head_size)
-    if spec.fp8:
-        result.mul_(scale_factor(v_scale, "v_scale"))
-    out.view(num_seqs, kv_heads, group, head_size).copy_(result.permute(1, 0, 2, 3))
-    return out
+    return state.normalised(head_size)
 
 
 def _check_values_cpu(block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int,

@@ -17,7 +17,7 @@ sequence by ``_prefix_plan.prefix_plan`` under the memory budget:
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -149,24 +149,43 @@ def paged_prefix(
         v_mult=scale_factor(v_scale, "v_scale") if spec.fp8 else None)
     tables = block_tables.to(torch.int64)
     out = torch.zeros_like(query)
+    flagged: List[Tuple[int, SeqSpan, torch.Tensor]] = []
     for i in range(batch):
         seq = SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
         if seq.q_len > 0:
-            _attend_sequence(inp, seq, budget << 20, out)
+            overflow = _attend_sequence(inp, seq, budget << 20, out)
+            if overflow is not None:
+                flagged.append((i, seq, overflow))
+    if flagged:
+        _recompute_overflowed(inp, flagged, budget << 20, out)
     return out
 
 
-def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Tensor) -> None:
-    """Plan one sequence under ``budget`` bytes and run it on its path."""
+def _recompute_overflowed(inp: PrefixInputs, flagged: List[Tuple[int, SeqSpan, torch.Tensor]],
+                          budget: int, out: torch.Tensor) -> None:
+    """Sequences whose float16 scores overflowed (``TiledSequence.overflow``; one host read
+    for the call) run again with float32 products."""
+    hits = torch.stack([flag for _, _, flag in flagged]).tolist()
+    for (i, seq, _), hit in zip(flagged, hits):
+        if hit:
+            log.warning("paged_prefix: float16 scores of sequence %d overflowed (or its "
+                        "inputs are not finite); recomputed with float32 products", i)
+            _attend_sequence(inp, seq, budget, out, work=torch.float32)
+
+
+def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Tensor,
+                     work: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """Plan one sequence under ``budget`` bytes and run it on its path (with ``work`` as the
+    tiled path's work dtype, when given); returns the tiled path's overflow flag."""
     query = inp.query
     # SDPA path allowed? (no ALiBi, a Python-float scale, a dtype SDPA is fast for).
     sdpa_ok = (inp.slopes is None and isinstance(inp.q_scale, float)
                and (FORCE_PATH == "sdpa" or sdpa_path_ok(query.dtype, query.device)))
     spec = inp.spec
+    work = work or work_dtype(query.dtype, query.device)
     shape = PlanShape(query.shape[1], spec.num_kv_heads, spec.head_size, spec.block_size,
                       inp.key_cache.element_size(), query.element_size(),
-                      torch.empty((), dtype=work_dtype(query.dtype, query.device))
-                      .element_size())
+                      torch.empty((), dtype=work).element_size())
     threads = torch.get_num_threads() if query.device.type == "cpu" else 1
     plan = prefix_plan(seq.q_len, seq.ctx, shape, budget, sdpa_ok=sdpa_ok, threads=threads,
                        force=FORCE_PATH)
@@ -177,20 +196,21 @@ def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Te
             plan.peak_bytes / 2**20)
     if plan.sdpa:
         sdpa_sequence(inp, seq, plan.q_chunk, out)
-    else:
-        TiledSequence(inp, seq, plan).run(out)
+        return None
+    tiled = TiledSequence(inp, seq, plan, work)
+    tiled.run(out)
+    return tiled.overflow
 
 
 def _check_lengths(starts: List[int], contexts: List[int], totals: List[int], num_tokens: int,
                    table_width: int, block_size: int) -> None:
     """``query_start_loc``, ``context_lens`` and ``seq_lens`` agree with each other and
     the block table's width."""
+    if any(a < 0 or b < a or b > num_tokens for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc must be non-decreasing within [0, {num_tokens}], "
+                         f"got {starts}")
     for i in range(len(contexts)):
         q_len = starts[i + 1] - starts[i]
-        if starts[i] < 0 or q_len < 0 or starts[i + 1] > num_tokens:
-            raise ValueError(
-                f"query_start_loc must be non-decreasing within [0, {num_tokens}], got "
-                f"{starts}")
         if contexts[i] < 0 or totals[i] != contexts[i] + q_len:
             raise ValueError(
                 f"seq_lens[{i}]={totals[i]} must equal context_lens[{i}]={contexts[i]} + "

@@ -1,0 +1,107 @@
+"""Large magnitudes, long ALiBi contexts and window-hidden slots, in every formulation.
+
+The GPU formulation ("native") multiplies in the half dtypes; nothing it rounds to them may
+overflow (inf, then NaN) where the float32 formulation gives the right answer.  The grid is
+``device_checks.MAGNITUDES`` (shared with the GPU runner); the ALiBi and sliding-window
+cases are the reproductions of the issue, made cheap (one KV head, small heads).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from device_checks import decode_from, large_magnitude_errors, magnitude_case
+from helpers.reference import TOLERANCE, attend, ref_prefix, rel_error
+
+from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_magnitudes_within_tolerance(dtype, formulation, monkeypatch):
+    monkeypatch.setattr(prefix, "FORCE_PATH", None)
+    assert large_magnitude_errors(torch.device("cpu"), dtype) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_issue_reproductions_are_finite(dtype, formulation, monkeypatch):
+    """Keys 0 and values 128 over 4,096 tokens (prefix), values 300 (decode), q = k = 24 in
+    every component of a 128-wide head (decode): the exact answers are 128, 300 and 1."""
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    case = magnitude_case(dtype, 4096, 4, 1.0, 0.0, 128.0, constant=True)
+    assert torch.equal(paged_prefix(*case).float(), torch.full(case[0].shape, 128.0))
+    case = magnitude_case(dtype, 4096, 1, 1.0, 1.0, 300.0, constant=True)
+    out = paged_decode(*decode_from(case), 128 ** -0.5)
+    assert torch.equal(out.float(), torch.full(out.shape, 300.0))
+    case = magnitude_case(dtype, 64, 1, 24.0, 24.0, 1.0, constant=True)
+    out = paged_decode(*decode_from(case), 128 ** -0.5)
+    assert torch.equal(out.float(), torch.ones(out.shape))
+
+
+def _alibi_case(dtype, ctx, head_size=16):
+    """One sequence of ``ctx`` cached tokens plus 2 new ones, two heads on one KV head, keys
+    random (small), values random; the dense K/V too, for the float64 reference."""
+    case = magnitude_case(dtype, ctx, 2, 0.5, 0.5, 1.0, constant=False, head_size=head_size)
+    q, k, v, kc, vc = case[:5]
+    x = kc.shape[-1]
+    blocks = kc.shape[0]
+    dense_k = kc.permute(0, 3, 1, 2, 4).reshape(blocks * 16, 1, head_size)[:ctx]
+    dense_v = vc.permute(0, 3, 1, 2).reshape(blocks * 16, 1, head_size)[:ctx]
+    assert x * (head_size // x) == head_size
+    return case, torch.cat([dense_k, k]), torch.cat([dense_v, v])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_alibi_bias_at_70k_tokens(dtype, formulation, monkeypatch):
+    """Distances past 65,504 (slopes 0 and 0.5): the bias is computed in float32, so a slope
+    of 0 gives a bias of 0, never 0 * inf."""
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    ctx = 70_000
+    case, dense_k, dense_v = _alibi_case(dtype, ctx)
+    slopes = torch.tensor([0.0, 0.5])
+    out = paged_prefix(*case, scale=0.25, alibi_slopes=slopes)
+    assert out.isfinite().all()
+    ref = attend(case[0], dense_k, dense_v, [ctx, ctx + 1], 0.25, slopes)
+    assert rel_error(out, ref) <= TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_window_hidden_slots_never_reach_the_output(dtype, poison, path, formulation):
+    """Context 40, window 5: the block holding positions 32-47 straddles the window's start
+    (36 for the first query); a poisoned slot at 33 (hidden from every query) changes
+    nothing."""
+    case = list(magnitude_case(dtype, 40, 3, 1.0, 1.0, 1.0, constant=False, head_size=64))
+    clean = paged_prefix(*case, sliding_window=5)
+    kc, vc = case[3].clone(), case[4].clone()
+    block, slot = divmod(33, 16)
+    kc[block, :, :, slot, :] = poison
+    vc[block, :, :, slot] = poison
+    out = paged_prefix(*case[:3], kc, vc, *case[5:], sliding_window=5)
+    assert torch.equal(out, clean)
+    ref = ref_prefix(*case, 64 ** -0.5, sliding_window=5)
+    assert rel_error(out, ref) <= TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+
+
+def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch):
+    """q = k = 100 in every component of a 128-wide head: scale * q.k = 113,137 is past the
+    float16 range even when scaled first; the sequence is recomputed with float32 products
+    (a WARNING names it) and the answer is the exact uniform mean (the values, 1,000)."""
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
+    quiet = magnitude_case(torch.float16, 64, 4, 1.0, 1.0, 1000.0, constant=True)
+    loud = magnitude_case(torch.float16, 64, 4, 100.0, 100.0, 1000.0, constant=True)
+    both = [torch.cat([a, b]) for a, b in zip(quiet[:3], loud[:3])]
+    kc, vc = (torch.cat([a, b]) for a, b in zip(quiet[3:5], loud[3:5]))
+    blocks = quiet[5].shape[1]
+    bt = torch.stack([quiet[5][0], loud[5][0] + blocks])
+    args = (*both, kc, vc, bt, torch.tensor([0, 4, 8], dtype=torch.int32),
+            torch.tensor([68, 68], dtype=torch.int32), torch.tensor([64, 64], dtype=torch.int32))
+    out = paged_prefix(*args)
+    assert torch.equal(out.float(), torch.full(out.shape, 1000.0))
+    warned = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
+    assert len(warned) == 1 and "sequence 1 overflowed" in warned[0], warned
