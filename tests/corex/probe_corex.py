@@ -29,6 +29,7 @@ import torch
 # Run in a fresh interpreter of the stand-in venv, outside pytest: tests/ for the helpers package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helpers.probes import error_of  # noqa: E402
 from helpers.probes import report as emit  # noqa: E402
 from helpers.reference import attend  # noqa: E402
 
@@ -47,14 +48,6 @@ def worst(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, table=None) 
     """max |out - ref| / (atol + rtol |ref|): <= 1 passes."""
     atol, rtol = (table or TOL)[dtype]
     return float(((out.double() - ref).abs() / (atol + rtol * ref.abs())).max())
-
-
-def error_of(fn) -> str:
-    try:
-        fn()
-    except BaseException as exc:  # noqa: B902 - we report whatever it is
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 class VendorLayer:

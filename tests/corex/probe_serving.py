@@ -27,18 +27,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))                                   # tests/
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
 
+from helpers.probes import error_of  # noqa: E402
 from helpers.probes import report as emit  # noqa: E402
 from helpers.reference import TOLERANCE, attend, rel_error  # noqa: E402
 
 BLOCK = 16
-
-
-def error_of(fn) -> str:
-    try:
-        fn()
-    except BaseException as exc:  # noqa: B902 - we report whatever it is
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def counters() -> Dict[str, int]:

@@ -27,6 +27,16 @@ def report(**kw):
     sys.stdout.flush()
 
 
+def error_of(fn) -> str:
+    """``"Type: message"`` of what ``fn()`` raised (anything, SystemExit included), or
+    ``"no error"``."""
+    try:
+        fn()
+    except BaseException as exc:  # noqa: B902 - we report whatever it is
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def prefix_state():
     """vLLM's Triton ``prefix_prefill`` module in this process: "absent", "substitute" (the
     shim's import-guard stand-in, marked ``__vllm_bi100_substitute__``) or "real"."""
