@@ -23,6 +23,9 @@ import wrapt
 
 from . import config, decision, table, versions
 from ._log import log
+from .strict import PatchError as PatchError  # re-exported: registry.PatchError
+from .strict import raise_or_log
+from .strict import warn_once as warn_once  # re-exported
 
 
 class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
@@ -45,10 +48,6 @@ class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
                 f"{self.__wrapped__!r}>")
 
     __str__ = __repr__
-
-
-class PatchError(RuntimeError):
-    """Raised under strict mode when the shim cannot patch (unsupported version, failed check)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,16 +131,6 @@ _installed: Dict[Tuple[type, str], Any] = {}
 _last_report = Report()
 #: module name -> the report of its last apply (``_last_report`` is their merge).
 _module_reports: Dict[str, Report] = {}
-_warned: set = set()
-
-
-def warn_once(reason: str) -> None:
-    """One WARNING line per reason per process, whichever activation path meets it first."""
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    log.warning("vllm-bi100-patch: %s", reason)
 
 
 unsupported_reason = decision.unsupported_reason
@@ -300,9 +289,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         _module_reports[module.__name__] = report
         _last_report = _merged()
         if report.reason is not None:
-            warn_once(report.reason)
-            if strict:
-                raise PatchError(report.reason)
+            raise_or_log(report.reason, strict)
         return report
 
 
