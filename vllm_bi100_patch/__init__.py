@@ -37,9 +37,9 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
         if strict_now and settings.errors and not settings.kill_switch:
             raise_or_log("; ".join(settings.errors), strict_now, error=config.ConfigError)
         if strict_now and st["active"]:
-            from . import decision, versions
+            from . import decision
 
-            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
+            result = _bootstrap.activation_decision()  # the activation's, decided once
             reason = result.reason if result.kind == decision.UNSUPPORTED else None
             if reason is None and "vllm_bi100_patch.registry" in sys.modules:
                 from . import registry

@@ -44,7 +44,8 @@ ACTIVE = (Phase.ARMED, Phase.PATCHED, Phase.NOT_PATCHED)
 class State:
     """The process's one activation state, changed only under ``_lock`` through ``enter``."""
 
-    __slots__ = ("phase", "detail", "settings", "strict", "sources", "last_error", "decision")
+    __slots__ = ("phase", "detail", "settings", "strict", "sources", "last_error", "start",
+                 "decision")
 
     def __init__(self) -> None:
         self.phase = Phase.NOT_BOOTSTRAPPED
@@ -53,8 +54,9 @@ class State:
         self.strict = False
         self.sources: List[str] = []  # the activation paths that ran, in order
         self.last_error: Optional[str] = None
-        #: The activation's ``decision.Decision``: decided once at activation, refined (never
-        #: decided again) as vLLM's version and code become known.
+        #: The activation's ``decision.Decision`` at start-up (decided once per activation),
+        #: and at the version stage (refined from it, see ``decision()``).
+        self.start: Any = None
         self.decision: Any = None
 
     @property
@@ -173,14 +175,22 @@ def _remove_finder() -> None:
         sys.meta_path.remove(_finder)
 
 
-def gate(settings: config.Settings, force: bool = False) -> Optional[Tuple[str, str]]:
-    """The start-up stage of ``decision.decide``: None when the shim arms in this process,
-    else ``(kind, why)`` with kind ``invalid``, ``kill_switch``, ``not_iluvatar`` or
-    ``no_vllm``. Cheap: no torch, no vLLM, no package metadata."""
-    from . import decision
+def activation_decision() -> Any:
+    """The activation's ``decision.Decision`` at the version stage: decided once at activation
+    (``activate``), refined once with the installed vLLM version, then reused by every later
+    step (the version hook, ``registry.apply_to`` for each target module, ``apply()``); refined
+    again only if the installed version changes. None while not active."""
+    with _lock:
+        start = _state.start
+        if start is None or not start.open:
+            return start
+        from . import decision, versions
 
-    result = decision.decide(settings, force=force)
-    return None if result.open else (result.kind, result.reason)
+        info = versions.installed_vllm_version()
+        known = _state.decision
+        if known is None or known.version != info.raw or known.kind == decision.ARMED:
+            known = _state.decision = start.refine(info)
+        return known
 
 
 def _report_config_errors(settings: config.Settings) -> None:
@@ -213,9 +223,9 @@ def _before_vllm() -> None:
         if not _state.active:
             return
         try:
-            from . import decision, registry, versions
+            from . import decision, registry
 
-            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
+            result = activation_decision()
             if result.kind == decision.UNSUPPORTED:
                 reason = result.reason
                 _guards("uninstall")
@@ -235,7 +245,7 @@ def _on_target(module: Any) -> None:
         try:
             from . import registry  # wrapt and the patch layer load here, not at start-up
 
-            this = registry.apply_to(module, _state.settings, strict=False)  # this module's rows
+            this = registry.apply_to(module, _state.settings, base=activation_decision())  # its rows
             report = registry.last_report()  # every target module patched so far, merged
         except Exception as exc:
             _state.enter(Phase.NOT_PATCHED, f"patching failed ({type(exc).__name__}: {exc})")
@@ -301,9 +311,12 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
         if settings.errors and source not in AT_START and not settings.kill_switch \
                 and _state.strict:
             _report_config_errors(settings)  # explicit apply()/plugin: raise now
-        closed = gate(settings, force)
-        if closed is not None:
-            _state.enter(Phase.OFF, closed[1])
+        from . import decision  # stdlib only, like config
+
+        start = _state.start = decision.decide(settings, force=force)  # once per activation
+        _state.decision = None
+        if not start.open:
+            _state.enter(Phase.OFF, start.reason)
             if settings.errors and not settings.kill_switch:
                 _watch_vllm()  # report the invalid values where vLLM runs, and only there
             return
@@ -341,7 +354,7 @@ def deactivate() -> None:
     ``sys.meta_path`` (used by ``revert()``, which holds ``_lock`` around both its steps)."""
     with _lock:
         _state.enter(Phase.REVERTED, "stock vLLM (apply() patches again)")
-        _state.decision = None
+        _state.start = _state.decision = None
         _remove_finder()
         _guards("uninstall")
 

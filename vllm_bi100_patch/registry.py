@@ -241,10 +241,12 @@ def _enabled_specs(settings: config.Settings, module_name: str) -> List[PatchSpe
     return [s for s in specs_for(module_name) if s.name not in settings.disabled]
 
 
-def apply_to(module: types.ModuleType, settings: config.Settings,
-             strict: bool = False) -> Report:
+def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool = False,
+             base: Optional[decision.Decision] = None) -> Report:
     """Patch ``module`` (an imported target module of the table) all-or-nothing: every enabled
-    row that is needed in this build, or none. Never raises unless strict."""
+    row that is needed in this build, or none. Never raises unless strict. ``base``: the
+    activation's decision at the version stage (the bootstrap's, made once; decided here when
+    not given), refined here with the target module and the code check."""
     global _last_report
     with _lock:
         report = Report()
@@ -255,7 +257,9 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         for spec in specs:
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
-        verdict = decision.decide(settings, info, force=True, target_missing=(
+        if base is None or base.version != info.raw:
+            base = decision.decide(settings, info, force=True)
+        verdict = base.refine(target_missing=(
             f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
         report.family = verdict.family
         family = versions.family_for(info)
@@ -273,7 +277,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
                     failures.append(detail)
                 else:
                     todo.append(spec)
-            verdict = decision.decide(settings, info, force=True, code_problems=failures)
+            verdict = verdict.refine(code_problems=failures)
         if verdict.kind == decision.PATCH:
             assert family is not None
             try:
