@@ -1,7 +1,7 @@
 """The registry of patches: code checks, saved originals, all-or-nothing apply/revert.
 
 The patches themselves are rows of ``vllm_bi100_patch.table``; ``SPECS`` is derived from its
-method rows, and whether to patch at all is ``decision.decide``'s answer.
+method rows (``rows.SPECS``), and whether to patch at all is ``decision.decide``'s answer.
 
 Style: attributes are resolved through ``vars(cls)`` along the MRO, never
 ``getattr``, so a staticmethod stays one (and a plain method is wrapped as the function it is,
@@ -13,15 +13,19 @@ on revert.  Rows of several modules each keep their report; ``last_report`` merg
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 import threading
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import config, decision, table, versions
+from . import config, decision, versions
+from .rows import SPECS as SPECS  # re-exported: registry.SPECS, registry.specs_for, ...
+from .rows import PatchSpec as PatchSpec
+from .rows import check_descriptor as check_descriptor
+from .rows import missing_classes as missing_classes
+from .rows import specs_for as specs_for
 from ._log import log
 from .strict import PatchError as PatchError  # re-exported: registry.PatchError
 from .strict import raise_or_log
@@ -48,64 +52,6 @@ class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
                 f"{self.__wrapped__!r}>")
 
     __str__ = __repr__
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchSpec:
-    """A method row of ``table.PATCHES``, ready for the registry."""
-
-    row: table.Patch
-
-    @property
-    def name(self) -> str:  # the name used in VLLM_BI100_PATCH_DISABLE
-        return self.row.name
-
-    @property
-    def module(self) -> str:
-        return self.row.module
-
-    @property
-    def owner(self) -> str:
-        return self.row.owner
-
-    @property
-    def attr(self) -> str:
-        return self.row.attr
-
-    def params(self, family: versions.Family) -> Tuple[str, ...]:
-        """The parameter names the code check expects in ``family``."""
-        how, _, what = (self.row.params or "").partition(":")
-        if how == "code":
-            return ()
-        if how == "family":
-            return tuple(getattr(family, what))
-        if how == "names":
-            return tuple(n for n in what.split(",") if n)
-        raise ValueError(f"table row {self.name}: unknown params check {self.row.params!r}")
-
-    @property
-    def instance_method(self) -> bool:
-        """A plain function of the class (bound to the instance), not a staticmethod."""
-        return self.row.kind == table.WRAP_INSTANCE
-
-    def code_check(self) -> Optional[Callable[[Any], Optional[str]]]:
-        """The row's own check of the code (``params="code:module:function"``), if any."""
-        how, _, what = (self.row.params or "").partition(":")
-        return table.resolve(what) if how == "code" else None  # type: ignore[return-value]
-
-    def factory(self) -> Callable[..., Any]:
-        return table.resolve(self.row.factory)  # type: ignore[return-value]
-
-    def not_needed(self, module: types.ModuleType) -> Optional[str]:
-        """Why this (conditional) patch is not needed for ``module``; None when it is."""
-        if self.row.when is None:
-            return None
-        check: Callable[[types.ModuleType], Optional[str]] = table.resolve(  # type: ignore
-            self.row.when)
-        return check(module)
-
-
-SPECS: Tuple[PatchSpec, ...] = tuple(PatchSpec(row) for row in table.methods())
 
 
 @dataclasses.dataclass
@@ -178,31 +124,6 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
     return check_descriptor(desc, spec, family)
 
 
-def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
-    where = f"{spec.owner}.{spec.attr}"
-    func: Callable[..., Any]
-    if spec.instance_method:
-        if not isinstance(desc, types.FunctionType):
-            return f"{where} is a {type(desc).__name__}, not a plain method"
-        func = desc
-    elif not isinstance(desc, staticmethod):
-        return f"{where} is a {type(desc).__name__}, not a staticmethod"
-    else:
-        func = desc.__func__
-    code_check = spec.code_check()
-    if code_check is not None:
-        return code_check(func)
-    try:
-        params = tuple(inspect.signature(func).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"{where} has no readable signature ({exc})"
-    expected = spec.params(family)
-    if params != expected:
-        return (f"{where} parameters {list(params)} differ from family "
-                f"{family.name}'s {list(expected)}")
-    return None
-
-
 #: The outcome of checking one row against a module: ``"unneeded"`` (a conditional row this
 #: build does not need), ``"ok"`` or ``"fail"``, with the reason or the problem.
 Check = Tuple[PatchSpec, str, str]
@@ -222,19 +143,6 @@ def check_rows(module: types.ModuleType, family: versions.Family,
         problem = check_code(vars(module)[spec.owner], spec, family)
         out.append((spec, "fail", problem) if problem else (spec, "ok", ""))
     return out
-
-
-def missing_classes(module: types.ModuleType) -> List[str]:
-    """The owner classes of ``module``'s rows that the module does not define (rows whose
-    own check says this build does not need them are left out)."""
-    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__)
-                           if not s.not_needed(module))
-    return [name for name in owners if not isinstance(vars(module).get(name), type)]
-
-
-def specs_for(module_name: str) -> List[PatchSpec]:
-    """The method rows that target ``module_name``."""
-    return [s for s in SPECS if s.module == module_name]
 
 
 def _enabled_specs(settings: config.Settings, module_name: str) -> List[PatchSpec]:
