@@ -42,7 +42,8 @@ ACTIVE = (Phase.ARMED, Phase.PATCHED, Phase.NOT_PATCHED)
 
 
 class State:
-    """The process's one activation state, changed only under ``_lock`` through ``enter``."""
+    """The process's one activation state, changed only under ``_lock``; ``enter`` moves the
+    phase (the one place ``status()["decision"]`` changes)."""
 
     __slots__ = ("phase", "detail", "settings", "strict", "sources", "last_error", "start",
                  "decision")
@@ -55,7 +56,7 @@ class State:
         self.sources: List[str] = []  # the activation paths that ran, in order
         self.last_error: Optional[str] = None
         #: The activation's ``decision.Decision`` at start-up (decided once per activation),
-        #: and at the version stage (refined from it, see ``decision()``).
+        #: and at the version stage (refined from it, see ``activation_decision``).
         self.start: Any = None
         self.decision: Any = None
 
@@ -109,7 +110,8 @@ def activation_decision() -> Any:
     """The activation's ``decision.Decision`` at the version stage: decided once at activation
     (``activate``), refined once with the installed vLLM version, then reused by every later
     step (the version hook, ``registry.apply_to`` for each target module, ``apply()``); refined
-    again only if the installed version changes. None while not active."""
+    again only if the installed version changes. The start-up decision itself when it
+    closed the gate; None before any activation (and after ``revert()``)."""
     with _lock:
         start = _state.start
         if start is None or not start.open:

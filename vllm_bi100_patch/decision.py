@@ -1,17 +1,18 @@
 """The one decision: does the shim patch this vLLM in this process, and if not, why.
 
-Every caller asks ``decide`` with what it knows at its stage, and nobody decides elsewhere:
+``decide`` makes it, ``Decision.refine`` carries it through the later stages, and nobody
+decides elsewhere.  In a server process it is decided once per activation:
 
 - the bootstrap at interpreter start (configuration and hardware only: ``info=None``);
-- the hook when vLLM is about to be imported (the installed version);
-- the registry when the target module is imported (version, target class, code checks);
-- ``apply(strict=True)``, ``status`` and ``doctor`` (everything they can know).
+- refined with the installed version when vLLM is about to be imported;
+- refined by the registry when a target module is imported (target class, code checks);
+- ``apply(strict=True)`` reads the same object (``_bootstrap.activation_decision``).
 
-The stages are cumulative: a later stage repeats the earlier checks, so the answer never
-depends on which caller asked.  Cheap at import (the bootstrap imports it at interpreter
-start): stdlib only; ``versions`` (packaging, importlib.metadata) is used only when a version
-is passed in, by callers that already imported it.
-"""
+``status`` and ``doctor`` ask ``verdict``, the same decision in an operator's words with
+doctor's exit code.  A stage never repeats the checks an earlier one passed, and the answer
+does not depend on which caller asked.  Cheap at import (the bootstrap imports it at
+interpreter start): stdlib only; ``versions`` (packaging, importlib.metadata) is used only when
+a version is passed in, by callers that already imported it."""
 
 from __future__ import annotations
 
