@@ -21,7 +21,7 @@ def reset_shim_state() -> None:
     ``_installed``/``_originals``, warnings already given, or an armed bootstrap."""
     import logging
 
-    from vllm_bi100_patch import _bootstrap, import_guard, registry
+    from vllm_bi100_patch import _bootstrap, import_guard, registry, strict
 
     with _bootstrap._lock:
         _bootstrap.deactivate()
@@ -29,18 +29,12 @@ def reset_shim_state() -> None:
             registry.revert_all()
             registry._originals.clear()
             registry._installed.clear()
-            registry._warned.clear()
+            strict._warned.clear()
             registry._last_report = registry.Report()
             registry._module_reports.clear()
-        _bootstrap._sources.clear()
         _bootstrap._finder.hooks.clear()
         _bootstrap._finder.before.clear()
-        _bootstrap._settings = None
-        _bootstrap._active = False
-        _bootstrap._strict = False
-        _bootstrap._decision = "not bootstrapped"
-        _bootstrap._last_error = None
-        _bootstrap._config_reported = False
+        _bootstrap.reset()
         import_guard.uninstall()
     if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
         sys.modules["vllm_bi100_patch.patches.paged_attention"].reset_call_counts()

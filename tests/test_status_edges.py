@@ -44,7 +44,7 @@ def test_status_reports_the_configuration_the_process_acted_on(fake_vllm_factory
 
 
 def test_status_before_activation_reads_the_environment(monkeypatch):
-    assert _bootstrap._settings is None
+    assert _bootstrap.settings() is None
     monkeypatch.setenv(config.MODE, "0")
     st = vllm_bi100_patch.status()
     assert st["mode"] == "0" and st["config_live"] is None

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from vllm_bi100_patch import config, decision, registry, table, versions
+from vllm_bi100_patch import config, decision, registry, rows, table, versions
 from vllm_bi100_patch.patches import kv_blocks
 
 ON = config.load({config.MODE: "1"})
@@ -126,7 +126,7 @@ def test_adding_a_patch_is_one_row(paged_attn_module, monkeypatch):
                       "bi100_test_factories:factory", params="names:", why="w", how="h",
                       vllm="v", upstream="u", removal="r")
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
-    monkeypatch.setattr(registry, "SPECS", tuple(registry.PatchSpec(r) for r in table.methods()))
+    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
     mod = paged_attn_module("0.8.5")
     original = vars(mod.PagedAttention)["get_supported_head_sizes"]
     report = registry.apply_to(mod, ON)

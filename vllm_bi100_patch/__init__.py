@@ -27,6 +27,7 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
     instead of a WARNING.
     """
     from . import _bootstrap, config
+    from .strict import raise_or_log
 
     with _bootstrap._lock:
         _bootstrap.activate("apply", force=True, strict=strict)
@@ -34,17 +35,18 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
         settings = config.load()
         strict_now = settings.strict if strict is None else strict
         if strict_now and settings.errors and not settings.kill_switch:
-            raise config.ConfigError("; ".join(settings.errors))
+            raise_or_log("; ".join(settings.errors), strict_now, error=config.ConfigError)
         if strict_now and st["active"]:
-            from . import decision, registry, versions
+            from . import decision
 
-            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
-            if result.kind == decision.UNSUPPORTED:
-                raise registry.PatchError(result.reason)
-            if "vllm_bi100_patch.registry" in sys.modules:
+            result = _bootstrap.activation_decision()  # the activation's, decided once
+            reason = result.reason if result.kind == decision.UNSUPPORTED else None
+            if reason is None and "vllm_bi100_patch.registry" in sys.modules:
+                from . import registry
+
                 reason = registry.last_report().reason
-                if reason is not None:
-                    raise registry.PatchError(reason)
+            if reason is not None:
+                raise_or_log(reason, strict_now)
     return status()
 
 
@@ -78,8 +80,7 @@ def status() -> Dict[str, Any]:
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
     live = config.load()
-    with _bootstrap._lock:
-        acted = _bootstrap._settings
+    acted = _bootstrap.settings()
     settings = acted if acted is not None else live
     data: Dict[str, Any] = {
         "shim_version": __version__,

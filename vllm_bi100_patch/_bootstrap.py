@@ -10,99 +10,71 @@ that module (or at once, when it is already imported).
 from __future__ import annotations
 
 import _thread
+import enum
 import os
 import sys
-from . import _log, config, table
+from . import _hooks, _log, config, strict as _strict_mode, table
 
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Tuple
+    from typing import Any, Dict, List, Optional, Tuple
 
 TARGET_MODULE = table.PAGED_ATTN
 LOGGER = _log.NAME
 log = _log.log
 _lock = _thread.RLock()
-_sources: List[str] = []
-_settings: Optional[config.Settings] = None
-_active = False
-_strict = False
-_decision: str = "not bootstrapped"
-_last_error: Optional[str] = None
-_config_reported = False
 
 
-class _HookLoader:
-    """Wraps a module's loader; runs the post-import callbacks after the module executed."""
+class Phase(enum.Enum):
+    """Where this process stands; ``status()["decision"]`` is ``"<value>: <detail>"``."""
 
-    def __init__(self, loader: Any, finder: "PostImportFinder", name: str) -> None:
-        self._loader = loader
-        self._finder = finder
-        self._name = name
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        self._finder.fire(self._name, module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, get_code, ...
-        return getattr(self._loader, name)
+    NOT_BOOTSTRAPPED = "not bootstrapped"  # no activation path ran
+    OFF = "off"                            # the start-up checks closed the gate
+    ARMED = "armed"                        # hooks installed, vLLM's targets not imported yet
+    PATCHED = "patched"                    # a target module was patched (detail: what)
+    NOT_PATCHED = "not patched"            # active, but nothing could be patched (detail: why)
+    REVERTED = "reverted"                  # revert(): stock vLLM until the next apply()
 
 
-class PostImportFinder:
-    """A ``sys.meta_path`` entry that calls back around the import of named modules.
+#: The phases in which the hooks are installed (``status()["active"]``).
+ACTIVE = (Phase.ARMED, Phase.PATCHED, Phase.NOT_PATCHED)
 
-    ``before`` callbacks run when the module is looked up, before its code executes; ``after``
-    callbacks run once it has executed. The same technique as wrapt's ``when_imported`` (find
-    the real spec, wrap its loader), without importing wrapt at interpreter start.
-    """
+
+class State:
+    """The process's one activation state, changed only under ``_lock``; ``enter`` moves the
+    phase (the one place ``status()["decision"]`` changes)."""
+
+    __slots__ = ("phase", "detail", "settings", "strict", "sources", "last_error", "start",
+                 "decision")
 
     def __init__(self) -> None:
-        self.hooks: Dict[str, List[Callable[[Any], None]]] = {}
-        self.before: Dict[str, List[Callable[[], None]]] = {}
-        self._resolving: set = set()
+        self.phase = Phase.NOT_BOOTSTRAPPED
+        self.detail = ""
+        self.settings: Optional[config.Settings] = None
+        self.strict = False
+        self.sources: List[str] = []  # the activation paths that ran, in order
+        self.last_error: Optional[str] = None
+        #: The activation's ``decision.Decision`` at start-up (decided once per activation),
+        #: and at the version stage (refined from it, see ``activation_decision``).
+        self.start: Any = None
+        self.decision: Any = None
 
-    def register(self, name: str, hook: Callable[[Any], None]) -> None:
-        """Call ``hook(module)`` after ``name`` is imported (at once if it already is)."""
-        self.hooks.setdefault(name, []).append(hook)
-        module = sys.modules.get(name)
-        if module is not None:
-            hook(module)
+    @property
+    def active(self) -> bool:
+        return self.phase in ACTIVE
 
-    def register_before(self, name: str, hook: Callable[[], None]) -> None:
-        """Call ``hook()`` when ``name`` is about to be imported (at once if it already is)."""
-        self.before.setdefault(name, []).append(hook)
-        if name in sys.modules:
-            hook()
+    def enter(self, phase: Phase, detail: str = "") -> None:
+        self.phase, self.detail = phase, detail
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname in self._resolving:
-            return None
-        for hook in list(self.before.get(fullname, ())):
-            hook()
-        if fullname not in self.hooks:
-            return None
-        import importlib.util
-
-        self._resolving.add(fullname)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._resolving.discard(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _HookLoader(spec.loader, self, fullname)  # type: ignore[assignment]
-        return spec
-
-    def fire(self, name: str, module: Any) -> None:
-        for hook in list(self.hooks.get(name, ())):
-            hook(module)
+    def text(self) -> str:
+        return f"{self.phase.value}: {self.detail}" if self.detail else self.phase.value
 
 
-_finder = PostImportFinder()
+_state = State()
+
+
+_finder = _hooks.PostImportFinder()
 
 #: Activation paths that run at interpreter start, in every Python process of the environment:
 #: they never raise, not even under strict mode (strict fails the import of vLLM instead).
@@ -134,29 +106,40 @@ def _remove_finder() -> None:
         sys.meta_path.remove(_finder)
 
 
-def gate(settings: config.Settings, force: bool = False) -> Optional[Tuple[str, str]]:
-    """The start-up stage of ``decision.decide``: None when the shim arms in this process,
-    else ``(kind, why)`` with kind ``invalid``, ``kill_switch``, ``not_iluvatar`` or
-    ``no_vllm``. Cheap: no torch, no vLLM, no package metadata."""
-    from . import decision
+def activation_decision() -> Any:
+    """The activation's ``decision.Decision`` at the version stage: decided once at activation
+    (``activate``), refined once with the installed vLLM version, then reused by every later
+    step (the version hook, ``registry.apply_to`` for each target module, ``apply()``); refined
+    again only if the installed version changes. The start-up decision itself when it
+    closed the gate; None before any activation (and after ``revert()``)."""
+    with _lock:
+        start = _state.start
+        if start is None or not start.open:
+            return start
+        from . import decision, versions
 
-    result = decision.decide(settings, force=force)
-    return None if result.open else (result.kind, result.reason)
+        info = versions.installed_vllm_version()
+        known = _state.decision
+        if known is None or known.version != info.raw or known.kind == decision.ARMED:
+            known = _state.decision = start.refine(info)
+        return known
 
 
 def _report_config_errors(settings: config.Settings) -> None:
-    """Invalid variables: one WARNING per process (the first time vLLM is imported, or at
+    """Invalid variables: one WARNING each per process (the first time vLLM is imported, or at
     status/apply), or, under strict mode, a ConfigError that stops the import of vLLM."""
-    global _config_reported
-    if not settings.errors:
-        return
-    if _strict:
-        raise config.ConfigError("; ".join(settings.errors) + f" ({config.STRICT}=1: vLLM is "
-                                 "not started with an invalid vllm-bi100-patch configuration)")
-    if not _config_reported:
-        _config_reported = True
-        for error in settings.errors:
-            log.warning("vllm-bi100-patch: %s", error)
+    if settings.errors:
+        _strict_mode.raise_or_log(
+            "; ".join(settings.errors) + f" ({config.STRICT}=1: vLLM is not started with an "
+            "invalid vllm-bi100-patch configuration)", _state.strict, error=config.ConfigError,
+            warnings=settings.errors)
+
+
+def _failed(what: str, exc: Exception) -> None:
+    """A step failed with ``exc``: recorded in ``last_error``; raised under strict mode, else
+    logged with its traceback."""
+    _state.last_error = f"{type(exc).__name__}: {exc}"
+    _strict_mode.raise_or_log(what, _state.strict, exc=exc, traceback=True)
 
 
 def _before_vllm() -> None:
@@ -164,59 +147,48 @@ def _before_vllm() -> None:
     variables are reported (strict: raised) now; an unsupported version gets its one WARNING and
     no side effects at all (the import guard comes off again), even if vLLM never imports
     paged_attn (0.12+ has no such methods)."""
-    global _last_error, _decision
     with _lock:
-        settings = _settings
+        settings = _state.settings
         if settings is None:
             return
         _report_config_errors(settings)  # raises under strict mode: the import of vLLM fails
-        if not _active:
+        if not _state.active:
             return
         try:
-            from . import decision, registry, versions
+            from . import decision, registry
 
-            result = decision.decide(settings, versions.installed_vllm_version(), force=True)
+            result = activation_decision()
             if result.kind == decision.UNSUPPORTED:
                 reason = result.reason
                 _guards("uninstall")
                 reason += "; " + registry.consequence()
-                _decision = "not patched: " + reason
-                registry.warn_once(reason)
-                if _strict:
-                    raise registry.PatchError(reason)
+                _state.enter(Phase.NOT_PATCHED, reason)
+                _strict_mode.raise_or_log(reason, _state.strict)
         except Exception as exc:
-            _last_error = f"{type(exc).__name__}: {exc}"
-            if _strict:
-                raise
-            log.exception("vllm-bi100-patch: version check failed")
+            _failed("version check failed", exc)
 
 
 def _on_target(module: Any) -> None:
     """Post-import callback of every module the patch table targets: patch it now. Never
     raises, except under strict mode."""
-    global _last_error, _decision
     with _lock:
-        if not _active or _settings is None:
+        if not _state.active or _state.settings is None:
             return
         try:
             from . import registry  # wrapt and the patch layer load here, not at start-up
 
-            this = registry.apply_to(module, _settings, strict=False)  # this module's rows
+            this = registry.apply_to(module, _state.settings, base=activation_decision())  # its rows
             report = registry.last_report()  # every target module patched so far, merged
         except Exception as exc:
-            _last_error = f"{type(exc).__name__}: {exc}"
-            _decision = f"not patched: patching failed ({_last_error})"
-            if _strict:
-                raise
-            log.exception("vllm-bi100-patch: patching failed")
+            _state.enter(Phase.NOT_PATCHED, f"patching failed ({type(exc).__name__}: {exc})")
+            _failed("patching failed", exc)
             return
         from . import import_guard
 
         guard = "on" if import_guard.installed() else "off"
-        _decision = _decision_text(report, guard)
+        _state.enter(*_outcome(report, guard))
         if this.reason is not None:
-            if _strict:
-                raise registry.PatchError(this.reason)
+            _strict_mode.raise_or_log(this.reason, _state.strict)  # apply_to warned already
             return
         # Conditional rows this build does not need are in status()["report"], not here.
         skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
@@ -226,19 +198,20 @@ def _on_target(module: Any) -> None:
             return  # a module whose rows this build does not need: nothing to announce
         log.info("vllm-bi100-patch active: vLLM %s (family %s), patched %s%s; import "
                  "guard %s; activated by %s (pid %d)", report.vllm_version, report.family,
-                 ", ".join(report.applied) or "nothing", skipped, guard, ",".join(_sources),
-                 os.getpid())
+                 ", ".join(report.applied) or "nothing", skipped, guard,
+                 ",".join(_state.sources), os.getpid())
 
 
-def _decision_text(report: Any, guard: str) -> str:
-    """``status()["decision"]`` from the merged report of every module patched so far."""
+def _outcome(report: Any, guard: str) -> Tuple[Phase, str]:
+    """The phase and its detail from the merged report of every module patched so far."""
     if not report.applied and report.reason is not None:
-        return "not patched: " + report.reason
+        return Phase.NOT_PATCHED, report.reason
     skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
                       if not v.startswith("not needed"))
-    text = (f"patched: {', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
+    text = (f"{', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
             f"{report.vllm_version}, family {report.family}); import guard {guard}")
-    return text + (f"; not patched: {report.reason}" if report.reason is not None else "")
+    return Phase.PATCHED, text + (f"; not patched: {report.reason}"
+                                  if report.reason is not None else "")
 
 
 def _configure_logging(settings: config.Settings) -> None:
@@ -258,26 +231,28 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
     """Activate the shim (idempotent). ``force`` skips hardware auto-detection (explicit
     ``apply()``); the kill switch always wins. Raises only under strict mode, and then only
     in a process that imports vLLM (or for an explicit ``apply()``)."""
-    global _settings, _active, _strict, _decision
     with _lock:
-        if source not in _sources:
-            _sources.append(source)
-        if _active:
+        if source not in _state.sources:
+            _state.sources.append(source)
+        if _state.active:
             return
         settings = config.load()
-        _settings = settings
+        _state.settings = settings
         _configure_logging(settings)
-        _strict = settings.strict if strict is None else strict
-        if _strict and settings.errors and source not in AT_START and not settings.kill_switch:
+        _state.strict = settings.strict if strict is None else strict
+        if settings.errors and source not in AT_START and not settings.kill_switch \
+                and _state.strict:
             _report_config_errors(settings)  # explicit apply()/plugin: raise now
-        closed = gate(settings, force)
-        if closed is not None:
-            _decision = "off: " + closed[1]
+        from . import decision  # stdlib only, like config
+
+        start = _state.start = decision.decide(settings, force=force)  # once per activation
+        _state.decision = None
+        if not start.open:
+            _state.enter(Phase.OFF, start.reason)
             if settings.errors and not settings.kill_switch:
                 _watch_vllm()  # report the invalid values where vLLM runs, and only there
             return
-        _active = True
-        _decision = "armed: patches when vLLM imports " + TARGET_MODULE
+        _state.enter(Phase.ARMED, "patches when vLLM imports " + TARGET_MODULE)
         _guards("install", settings)
         _watch_vllm()
         for name in table.hooked_modules():
@@ -292,18 +267,13 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
 def bootstrap(source: str) -> None:
     """Entry for sitecustomize, the .pth line and the vLLM plugin. Never raises at interpreter
     start (sitecustomize, .pth); from the plugin (a vLLM process) only under strict mode."""
-    global _last_error
     try:
         activate(source)
     except Exception as exc:  # the host process must go on, unpatched
-        _last_error = f"{type(exc).__name__}: {exc}"
-        if _strict and source not in AT_START:
-            raise
-        try:
-            log.error("vllm-bi100-patch: activation from %s failed (%s); stock vLLM runs",
-                      source, _last_error)
-        except Exception:
-            pass
+        _state.last_error = f"{type(exc).__name__}: {exc}"
+        _strict_mode.raise_or_log(
+            f"activation from {source} failed ({_state.last_error}); stock vLLM runs",
+            _state.strict and source not in AT_START, exc=exc)
 
 
 def plugin() -> None:
@@ -314,21 +284,33 @@ def plugin() -> None:
 def deactivate() -> None:
     """Stop patching new imports: take the post-import hook and the import guard off
     ``sys.meta_path`` (used by ``revert()``, which holds ``_lock`` around both its steps)."""
-    global _active, _decision
     with _lock:
-        _active = False
-        _decision = "reverted: stock vLLM (apply() patches again)"
+        _state.enter(Phase.REVERTED, "stock vLLM (apply() patches again)")
+        _state.start = _state.decision = None
         _remove_finder()
         _guards("uninstall")
+
+
+def reset() -> None:
+    """Forget this process's activation entirely (tests): back to ``not bootstrapped``."""
+    global _state
+    with _lock:
+        _state = State()
+
+
+def settings() -> Optional[config.Settings]:
+    """The configuration this process's activation acted on (None before any activation)."""
+    with _lock:
+        return _state.settings
 
 
 def state() -> Dict[str, Any]:
     with _lock:
         return {
-            "active": _active,
-            "decision": _decision,
-            "activated_by": list(_sources),
-            "strict": _strict,
-            "last_error": _last_error,
-            "config_errors": list(_settings.errors) if _settings else [],
+            "active": _state.active,
+            "decision": _state.text(),
+            "activated_by": list(_state.sources),
+            "strict": _state.strict,
+            "last_error": _state.last_error,
+            "config_errors": list(_state.settings.errors) if _state.settings else [],
         }

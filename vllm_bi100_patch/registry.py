@@ -1,7 +1,7 @@
 """The registry of patches: code checks, saved originals, all-or-nothing apply/revert.
 
 The patches themselves are rows of ``vllm_bi100_patch.table``; ``SPECS`` is derived from its
-method rows, and whether to patch at all is ``decision.decide``'s answer.
+method rows (``rows.SPECS``), and whether to patch at all is ``decision.decide``'s answer.
 
 Style: attributes are resolved through ``vars(cls)`` along the MRO, never
 ``getattr``, so a staticmethod stays one (and a plain method is wrapped as the function it is,
@@ -13,16 +13,23 @@ on revert.  Rows of several modules each keep their report; ``last_report`` merg
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 import threading
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import config, decision, table, versions
+from . import config, decision, versions
+from .rows import SPECS as SPECS  # re-exported: registry.SPECS, registry.specs_for, ...
+from .rows import PatchSpec as PatchSpec
+from .rows import check_descriptor as check_descriptor
+from .rows import missing_classes as missing_classes
+from .rows import specs_for as specs_for
 from ._log import log
+from .strict import PatchError as PatchError  # re-exported: registry.PatchError
+from .strict import raise_or_log
+from .strict import warn_once as warn_once  # re-exported
 
 
 class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
@@ -45,68 +52,6 @@ class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
                 f"{self.__wrapped__!r}>")
 
     __str__ = __repr__
-
-
-class PatchError(RuntimeError):
-    """Raised under strict mode when the shim cannot patch (unsupported version, failed check)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchSpec:
-    """A method row of ``table.PATCHES``, ready for the registry."""
-
-    row: table.Patch
-
-    @property
-    def name(self) -> str:  # the name used in VLLM_BI100_PATCH_DISABLE
-        return self.row.name
-
-    @property
-    def module(self) -> str:
-        return self.row.module
-
-    @property
-    def owner(self) -> str:
-        return self.row.owner
-
-    @property
-    def attr(self) -> str:
-        return self.row.attr
-
-    def params(self, family: versions.Family) -> Tuple[str, ...]:
-        """The parameter names the code check expects in ``family``."""
-        how, _, what = (self.row.params or "").partition(":")
-        if how == "code":
-            return ()
-        if how == "family":
-            return tuple(getattr(family, what))
-        if how == "names":
-            return tuple(n for n in what.split(",") if n)
-        raise ValueError(f"table row {self.name}: unknown params check {self.row.params!r}")
-
-    @property
-    def instance_method(self) -> bool:
-        """A plain function of the class (bound to the instance), not a staticmethod."""
-        return self.row.kind == table.WRAP_INSTANCE
-
-    def code_check(self) -> Optional[Callable[[Any], Optional[str]]]:
-        """The row's own check of the code (``params="code:module:function"``), if any."""
-        how, _, what = (self.row.params or "").partition(":")
-        return table.resolve(what) if how == "code" else None  # type: ignore[return-value]
-
-    def factory(self) -> Callable[..., Any]:
-        return table.resolve(self.row.factory)  # type: ignore[return-value]
-
-    def not_needed(self, module: types.ModuleType) -> Optional[str]:
-        """Why this (conditional) patch is not needed for ``module``; None when it is."""
-        if self.row.when is None:
-            return None
-        check: Callable[[types.ModuleType], Optional[str]] = table.resolve(  # type: ignore
-            self.row.when)
-        return check(module)
-
-
-SPECS: Tuple[PatchSpec, ...] = tuple(PatchSpec(row) for row in table.methods())
 
 
 @dataclasses.dataclass
@@ -132,16 +77,6 @@ _installed: Dict[Tuple[type, str], Any] = {}
 _last_report = Report()
 #: module name -> the report of its last apply (``_last_report`` is their merge).
 _module_reports: Dict[str, Report] = {}
-_warned: set = set()
-
-
-def warn_once(reason: str) -> None:
-    """One WARNING line per reason per process, whichever activation path meets it first."""
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    log.warning("vllm-bi100-patch: %s", reason)
 
 
 unsupported_reason = decision.unsupported_reason
@@ -189,31 +124,6 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
     return check_descriptor(desc, spec, family)
 
 
-def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
-    where = f"{spec.owner}.{spec.attr}"
-    func: Callable[..., Any]
-    if spec.instance_method:
-        if not isinstance(desc, types.FunctionType):
-            return f"{where} is a {type(desc).__name__}, not a plain method"
-        func = desc
-    elif not isinstance(desc, staticmethod):
-        return f"{where} is a {type(desc).__name__}, not a staticmethod"
-    else:
-        func = desc.__func__
-    code_check = spec.code_check()
-    if code_check is not None:
-        return code_check(func)
-    try:
-        params = tuple(inspect.signature(func).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"{where} has no readable signature ({exc})"
-    expected = spec.params(family)
-    if params != expected:
-        return (f"{where} parameters {list(params)} differ from family "
-                f"{family.name}'s {list(expected)}")
-    return None
-
-
 #: The outcome of checking one row against a module: ``"unneeded"`` (a conditional row this
 #: build does not need), ``"ok"`` or ``"fail"``, with the reason or the problem.
 Check = Tuple[PatchSpec, str, str]
@@ -235,27 +145,16 @@ def check_rows(module: types.ModuleType, family: versions.Family,
     return out
 
 
-def missing_classes(module: types.ModuleType) -> List[str]:
-    """The owner classes of ``module``'s rows that the module does not define (rows whose
-    own check says this build does not need them are left out)."""
-    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__)
-                           if not s.not_needed(module))
-    return [name for name in owners if not isinstance(vars(module).get(name), type)]
-
-
-def specs_for(module_name: str) -> List[PatchSpec]:
-    """The method rows that target ``module_name``."""
-    return [s for s in SPECS if s.module == module_name]
-
-
 def _enabled_specs(settings: config.Settings, module_name: str) -> List[PatchSpec]:
     return [s for s in specs_for(module_name) if s.name not in settings.disabled]
 
 
-def apply_to(module: types.ModuleType, settings: config.Settings,
-             strict: bool = False) -> Report:
+def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool = False,
+             base: Optional[decision.Decision] = None) -> Report:
     """Patch ``module`` (an imported target module of the table) all-or-nothing: every enabled
-    row that is needed in this build, or none. Never raises unless strict."""
+    row that is needed in this build, or none. Never raises unless strict. ``base``: the
+    activation's decision at the version stage (the bootstrap's, made once; decided here when
+    not given), refined here with the target module and the code check."""
     global _last_report
     with _lock:
         report = Report()
@@ -266,7 +165,9 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         for spec in specs:
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
-        verdict = decision.decide(settings, info, force=True, target_missing=(
+        if base is None or base.version != info.raw:
+            base = decision.decide(settings, info, force=True)
+        verdict = base.refine(target_missing=(
             f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
         report.family = verdict.family
         family = versions.family_for(info)
@@ -284,7 +185,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
                     failures.append(detail)
                 else:
                     todo.append(spec)
-            verdict = decision.decide(settings, info, force=True, code_problems=failures)
+            verdict = verdict.refine(code_problems=failures)
         if verdict.kind == decision.PATCH:
             assert family is not None
             try:
@@ -300,9 +201,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings,
         _module_reports[module.__name__] = report
         _last_report = _merged()
         if report.reason is not None:
-            warn_once(report.reason)
-            if strict:
-                raise PatchError(report.reason)
+            raise_or_log(report.reason, strict)
         return report
 
 

@@ -1,0 +1,239 @@
+"""``vllm-bi100-patch doctor``: every check, section by section, and the verdict.
+
+Each section is a list of ``(state, name, detail)`` checks; the verdict is
+``decision.verdict`` (the one outcome type) from what the sections found.  The exit codes are
+listed in ``python -m vllm_bi100_patch --help``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import site
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import __version__, _bootstrap, config, decision, hardware, status, versions
+
+#: (state, name, detail); state is "ok", "FAIL" or "info".
+Check = Tuple[str, str, str]
+
+
+class Section:
+    """One block of doctor's report. Later additions (e.g. the native-ops profile) are one
+    more Section in ``doctor_sections``."""
+
+    def __init__(self, title: str, checks: List[Check]) -> None:
+        self.title = title
+        self.checks = checks
+
+    def render(self) -> str:
+        lines = [self.title]
+        lines += [f"  [{state:4}] {name}: {detail}" for state, name, detail in self.checks]
+        return "\n".join(lines)
+
+
+STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
+               "supported", "serving_path", "active", "decision", "activated_by", "patched",
+               "import_guard", "native_ops", "counts", "config_errors", "last_error",
+               "config_live"]
+
+
+PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
+                "last_error"]
+
+
+def process_lines(data: Dict[str, Any], keys: List[str] = STATUS_KEYS) -> List[str]:
+    return [f"{key:14} {data.get(key)}" for key in keys]
+
+
+def _activation_paths() -> List[Check]:
+    checks: List[Check] = []
+    spec = importlib.util.find_spec("sitecustomize")
+    ours = spec is not None and spec.origin is not None and _is_our_sitecustomize(spec.origin)
+    checks.append(("ok" if ours else "FAIL", "sitecustomize",
+                   spec.origin if spec and spec.origin else "no sitecustomize on sys.path"))
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    dirs += [user] if isinstance(user, str) else []
+    pth = [os.path.join(d, "vllm_bi100_patch.pth") for d in dirs
+           if os.path.exists(os.path.join(d, "vllm_bi100_patch.pth"))]
+    checks.append(("ok" if pth else "FAIL", ".pth", pth[0] if pth else
+                   "vllm_bi100_patch.pth not in " + ", ".join(dirs)))
+    import importlib.metadata as md
+
+    eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "bi100_patch"]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    filtered = allowed is not None and "bi100_patch" not in allowed.split(",")
+    ok = bool(eps) and not filtered
+    checks.append(("ok" if ok else "FAIL", "entry point",
+                   "vllm.general_plugins:bi100_patch" + (" (excluded by VLLM_PLUGINS)"
+                                                         if filtered else "")
+                   if eps else "not registered (is the shim pip-installed?)"))
+    return checks
+
+
+def _is_our_sitecustomize(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return "vllm-bi100-patch activation at interpreter start" in fh.read(400)
+    except OSError:
+        return False
+
+
+def _code_checks(settings: config.Settings, family: versions.Family
+                 ) -> Tuple[List[Check], List[str]]:
+    """Import each module the patch table targets (behind the import guard) and check its rows,
+    as ``registry.apply_to`` does; also returns the conditional patches this build needs."""
+    import importlib
+
+    from . import import_guard, registry, table
+
+    if not settings.off and "import_guard" not in settings.disabled:
+        import_guard.install()  # importing paged_attn must not pull in the Triton module
+    out: List[Check] = []
+    needed: List[str] = []
+    for name in table.hooked_modules():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            rows = registry.specs_for(name)
+            if name != table.PAGED_ATTN and all(s.row.when is not None for s in rows):
+                # e.g. the XFormers backend without xformers, or a vLLM without that module:
+                # vLLM cannot use it either, and its rows are all conditional
+                out.append(("info", f"import {name}", "not in this build: "
+                            + ", ".join(s.name for s in rows) + f" not needed ({exc})"))
+                continue
+            out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
+            continue
+        except (Exception, SystemExit) as exc:  # a module may call sys.exit() at import
+            out.append(("FAIL", f"import {name}", _import_error(exc)))
+            continue
+        missing = registry.missing_classes(module)
+        if missing:
+            out += [("FAIL", cls, "class missing") for cls in missing]
+            continue
+        for spec, outcome, detail in registry.check_rows(module, family,
+                                                         registry.specs_for(name)):
+            label = f"code check {spec.attr}"
+            if outcome == "unneeded":
+                out.append(("info", label, f"not needed in this build: {detail}"))
+                continue
+            out.append(("ok" if outcome == "ok" else "FAIL", label,
+                        detail or f"family {family.name}"))
+            if outcome == "ok" and spec.row.when is not None \
+                    and spec.name not in settings.disabled:
+                needed.append(spec.attr)
+    return out, needed
+
+
+def _import_error(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return (f"SystemExit({exc.code!r}) raised at import (doctor reports it instead of "
+                "exiting with that code)")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _native_section(settings: config.Settings) -> Section:
+    """The native decode kernels of this build and the route each length band takes."""
+    from .patches import paged_attention
+
+    module = sys.modules.get("vllm.attention.ops.paged_attn")
+    if module is None:
+        return Section("native decode kernels", [("info", "profile", "paged_attn not imported")])
+    desc = paged_attention.describe_native(module, settings)
+    checks: List[Check] = []
+    profile = desc["native_ops"]
+    if profile is None:
+        checks.append(("info", "ops", "no native kernels in this process (pure-PyTorch decode "
+                       "at every length)"))
+    else:
+        checks.append(("info", "convention", f"{profile['convention']} "
+                       + ("(Iluvatar: head_mapping, no scales)" if profile["convention"] ==
+                          "vendor" else "(stock vLLM arguments)")))
+        checks.append(("info", "paged_attention_v1", profile["paged_attention_v1"]))
+        checks.append(("info", "paged_attention_v2", profile["paged_attention_v2"]))
+        checks.append(("info", "V1 limit", f"max_seq_len <= {desc['v1_limit']} "
+                       f"({config.V1_MAX_SEQ_LEN} overrides)"))
+    checks += [("info", "route", band) for band in desc["bands"]]
+    return Section("native decode kernels", checks)
+
+
+def _config_section(settings: config.Settings) -> Section:
+    checks: List[Check] = []
+    for var in config.VARIABLES:
+        raw = settings.raw.get(var.name)
+        bad = [e for e in settings.errors if e.startswith(var.name + "=")]
+        if bad:
+            checks.append(("FAIL", var.name, bad[0]))
+        elif raw is not None:
+            checks.append(("ok", var.name, f"{raw!r}"))
+    if not checks:
+        checks.append(("ok", "variables", "none set: defaults"))
+    if settings.kill_switch:
+        checks.append(("info", "mode", "kill switch: the shim does nothing in any process"))
+    return Section("configuration", checks)
+
+
+def doctor_sections() -> Tuple[List[Section], decision.Decision]:
+    settings = config.load()
+    info = versions.installed_vllm_version()
+    family = versions.family_for(info)
+    sections = [_config_section(settings)]
+    if info.raw is None:
+        sections.append(Section("vLLM", [("FAIL", "vLLM", "not installed in this environment "
+                                          f"({sys.executable})")]))
+    else:
+        sections.append(Section("vLLM", [(
+            "ok" if family else "FAIL", "version",
+            f"{info.raw}, family {family.name}" if family else
+            f"{info.raw} is not a supported version")]))
+        off_path = versions.serving_path_note(info)
+        if off_path is not None:
+            sections[-1].checks.append(("FAIL", "serving path", off_path))
+    cheap = hardware.cheap_detection()
+    sections.append(Section("hardware", [
+        ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
+        ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
+         else "not a +corex build"),
+    ]))
+    paths = _activation_paths()
+    sections.append(Section("activation paths (at least one must work)", paths))
+    code_problems: Optional[List[str]] = None
+    conditional: List[str] = []
+    if family is not None and decision.decide(settings).open:
+        checks, conditional = _code_checks(settings, family)
+        sections.append(Section("code checks", checks))
+        code_problems = [detail for state, _, detail in checks if state == "FAIL"]
+        if "vllm.attention.ops.paged_attn" in sys.modules:
+            sections.append(_native_section(settings))
+        from . import ops_audit
+
+        sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
+                                ops_audit.doctor_checks()))
+        facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
+        sections[2].checks.append(("info", "device", f"{facts['device_name']} "
+                                   f"({facts['sm_count']} SMs)" if facts.get("device_name")
+                                   else "no CUDA device visible to torch"))
+    elif family is None and info.raw is not None and _bootstrap.state()["active"]:
+        try:  # what a server process sees: the version check at the import of vLLM
+            import vllm  # noqa: F401
+        except (Exception, SystemExit) as exc:
+            sections[1].checks.append(("FAIL", "import vllm", _import_error(exc)))
+    result = decision.verdict(settings, info, code_problems,
+                              any(s == "ok" for s, _, _ in paths), conditional)
+    sections.append(Section("this process (doctor itself, after the checks)",
+                            [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
+                             for line in process_lines(status(), PROCESS_KEYS)]))
+    return sections, result
+
+
+def run() -> int:
+    print(f"vllm-bi100-patch {__version__} doctor ({sys.executable})")
+    sections, result = doctor_sections()
+    for section in sections:
+        print(section.render())
+    print(result.line())
+    return result.code
+
+
