@@ -163,20 +163,33 @@ def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable
         return None
 
 
+def function_def(func: Callable[..., Any]) -> Optional[ast.FunctionDef]:
+    """The one function definition in ``func``'s source (``source_tree``), or None when the
+    source cannot be read or does not hold exactly one (async definitions count)."""
+    parsed = source_tree(func)
+    if parsed is None:
+        return None
+    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return defs[0] if len(defs) == 1 else None  # type: ignore[return-value]
+
+
+def body_without_docstring(fn: ast.FunctionDef) -> List[ast.stmt]:
+    """``fn``'s statements, a leading docstring left out."""
+    body: List[ast.stmt] = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return body
+
+
 def only_raises_not_implemented(func: Callable[..., Any]) -> bool:
     """True when the function's body (after any docstring) is one ``raise
     NotImplementedError[(...)]``.  Wrappers (``functools.wraps``) are looked through; a
     function whose source cannot be read is assumed to be real."""
-    parsed = source_tree(func)
-    if parsed is None:
+    fn = function_def(func)
+    if fn is None:
         return False
-    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if len(defs) != 1:
-        return False
-    body: List[ast.stmt] = list(defs[0].body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
+    body = body_without_docstring(fn)
     if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
         return False
     exc = body[0].exc

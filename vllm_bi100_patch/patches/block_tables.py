@@ -20,7 +20,7 @@ method appends exactly what 0.6.4's does; the attribute is restored afterwards. 
 where the method still assigns ``block_table = computed_block_nums`` (``fix_needed``), and only
 on the code shapes in ``KNOWN``.
 
-Imported only once vLLM's ``vllm.attention.backends.utils`` is; never imports vLLM (nor torch).
+Imported only once vLLM's ``vllm.attention.backends.utils`` is; never imports vLLM itself.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
-import textwrap
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config
+from ..native import probe
 from ..versions import Family
 from .paged_attention import ArgReader, CALL_COUNTS, Wrapper, _count
 
@@ -55,15 +55,6 @@ KNOWN: Dict[str, str] = {
 PR = "vLLM pull request #9532"
 
 
-def _function_def(func: Callable[..., Any]) -> Optional[ast.FunctionDef]:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(func))))
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return None
-    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    return defs[0] if len(defs) == 1 else None
-
-
 def _canonical(node: Any) -> str:
     """The node as text, independent of the Python version's AST extras (``ctx``,
     ``type_params``, ``type_comment``, omitted empty fields) and of comments/formatting."""
@@ -82,14 +73,10 @@ def _canonical(node: Any) -> str:
 def fingerprint(func: Callable[..., Any]) -> Optional[str]:
     """16 hex digits of the function's code shape (docstring left out); None when its
     source cannot be read."""
-    fn = _function_def(func)
+    fn = probe.function_def(func)
     if fn is None:
         return None
-    body = list(fn.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
-    text = _canonical(fn.args) + _canonical(body)
+    text = _canonical(fn.args) + _canonical(probe.body_without_docstring(fn))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -125,7 +112,7 @@ def fix_needed(module: types.ModuleType) -> Optional[str]:
     method = _method(module)
     if method is None:
         return f"{module.__name__} has no {OWNER}.{ATTR} (the builder this fixes is absent)"
-    fn = _function_def(method)
+    fn = probe.function_def(method)
     if fn is None:
         return f"the source of {OWNER}.{ATTR} cannot be read; nothing to fix"
     value = _hit_branch_value(fn)
@@ -147,7 +134,7 @@ def check(func: Callable[..., Any]) -> Optional[str]:
         return f"{where} has no readable signature ({exc})"
     if params != PARAMS:
         return f"{where} parameters {list(params)} differ from {list(PARAMS)}"
-    fn = _function_def(func)
+    fn = probe.function_def(func)
     if fn is None:
         return f"the source of {where} cannot be read"
     uses = _uses(fn, "computed_block_nums")

@@ -34,13 +34,9 @@ CALL_COUNTS.setdefault("kv_write_fp8", 0)
 def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
     """True when ``func`` has a parameter ``name`` that its body never reads, False when it
     reads it, None when the source cannot be read or there is no such parameter."""
-    parsed = probe.source_tree(func)
-    if parsed is None:
+    fn = probe.function_def(func)
+    if fn is None:
         return None
-    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if len(defs) != 1:
-        return None
-    fn = defs[0]
     params = [a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs]
     if name not in params:
         return None
