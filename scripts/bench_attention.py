@@ -27,7 +27,7 @@ Prints one table (medians of interleaved repeats, all measured side by side in t
   against the device's copy bandwidth measured here (``clone`` of a 256 MiB tensor,
   counting the bytes read and written);
 - peak extra memory: bytes of tensors alive at once inside the call, counted exactly by a
-  dispatch-mode tracker (``scripts/memtrack.py``; torch has no CPU allocator statistics
+  dispatch-mode tracker (``tools/memtrack.py``; torch has no CPU allocator statistics
   and tracemalloc does not see torch) on CPU, by the CUDA allocator's peak on GPUs, in a
   separate untimed run.
 
@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from seed_baseline import seed_decode, seed_prefix  # noqa: E402
 
 from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
-from memtrack import PeakMemory  # noqa: E402
+from tools.memtrack import PeakMemory  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

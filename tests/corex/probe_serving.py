@@ -25,7 +25,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))                                   # tests/
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
+# The repository root last (tools.memtrack): the shim itself comes from the venv's wheel.
+sys.path.append(os.path.dirname(os.path.dirname(HERE)))
 
 from helpers.probes import error_of  # noqa: E402
 from helpers.probes import report as emit  # noqa: E402
@@ -155,7 +156,7 @@ def mode_dense() -> None:
 
 
 def mode_profile() -> None:
-    from memtrack import PeakMemory
+    from tools.memtrack import PeakMemory
 
     from vllm_bi100_patch import config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.reference import TOLERANCE, attend, rel_error
-from memtrack import PeakMemory
+from tools.memtrack import PeakMemory
 
 from vllm_bi100_patch.kernels import _common, dense
 

@@ -11,7 +11,7 @@ from helpers.reference import fp8_available, make_cache, make_tables, ref_prefix
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memtrack import PeakMemory
+from tools.memtrack import PeakMemory
 
 from vllm_bi100_patch.kernels import _prefix_plan, paged_prefix, prefix
 from vllm_bi100_patch.kernels._prefix_plan import PlanShape
