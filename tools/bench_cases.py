@@ -12,8 +12,9 @@ A *row* is one ``Case``: an operation (``decode``, ``prefix``, ``dense``), its s
 
 ``account_row`` counts one row's call with ``tools.account.Account`` (launches, bytes,
 FLOPs, host reads) in the row's formulation, on the tensors it is given (CPU tensors stand in
-for the card: the convention of issue 19's table, which ``FIELD_CASES`` reproduce for
-today's kernels), and adds the modelled times of ``tools.account.DEVICES``.  On CPU the
+for the card: the convention of issue 19's table, whose figures the field shape's ``native``
+rows reproduce for that issue's starting kernels), and adds the modelled times of
+``tools.account.DEVICES``.  On CPU the
 half-precision matrix products inside the count run in float32 (``HalfGemmsInFloat``): the
 same ops are logged with the same operands, only the arithmetic is done faster (this CPU
 has no native float16 GEMM); the counts do not depend on it (tested).

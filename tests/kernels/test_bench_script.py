@@ -49,8 +49,10 @@ def _account_tables(out):
 
 
 def test_bench_quick_runs(tmp_path):
-    out = _run(["--quick", "--repeats", "1"], tmp_path)
+    """Timed, with this checkout as its own --baseline (paired columns in both tables)."""
+    out = _run(["--quick", "--repeats", "1", "--baseline", ROOT], tmp_path)
     assert "| case | paged ms | SDPA ms | seed ms | native ms |" in out
+    assert "| baseline ms | paged/baseline |" in out and "| baseline launches |" in out
     bench, field = out.split("## field shape", 1)
     for case in ("decode 2x256", "decode 1x1024", "prefix 1x(256+64)", "prefix 2x(128+32)",
                  "prefix 1x(256+64) tiled", "prefix 2x(128+32) native"):
@@ -63,7 +65,8 @@ def test_bench_quick_runs(tmp_path):
     assert "target tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed: " in out
     results = json.loads((tmp_path / "results.json").read_text())
     timed = [r for r in results["rows"] if "paged" in r]
-    assert all("account" in r for r in results["rows"]) and len(timed) >= 11
+    assert all("account" in r and "base_account" in r for r in results["rows"])
+    assert len(timed) >= 11 and all("baseline" in r for r in timed)
     assert "plot: " in out
 
 
