@@ -42,7 +42,7 @@ class FakeOps:
 def _clean():
     dispatch.reset_route_counts()
     dispatch.SCRATCH.clear()
-    longest._longest_cache.update(ref=None, version=-1, value=0)
+    longest.forget()
     native_decode.forget()
     yield
     dispatch.SCRATCH.clear()

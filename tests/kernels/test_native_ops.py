@@ -328,7 +328,7 @@ def test_max_seq_len_on_a_device_is_checked_against_a_value_already_read(monkeyp
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     reads = []
     monkeypatch.setattr(longest, "_read_longest", lambda sl: reads.append(sl) or 40000)
-    longest._longest_cache.update(ref=None, version=-1, value=0)
+    longest.forget()
     q, kc, vc, bt, sl, mapping = _meta_batch()
     calls = []
 

@@ -91,7 +91,7 @@ SCENARIOS = {
 def _clean():
     dec.reset_route_counts()
     dec.SCRATCH.clear()
-    longest._longest_cache.update(ref=None, version=-1, value=0)
+    longest.forget()
     yield
     dec.SCRATCH.clear()
 

@@ -198,16 +198,20 @@ LENGTH_ROUTES = ("occupancy_v1", "occupancy_v2", "v1", "v2", "none_usable")
 class Facts:
     """What the route rows ask about one call (computed on demand, at most once)."""
 
-    __slots__ = ("table", "call", "head_size", "fp8", "blocksparse", "row", "_usable")
+    __slots__ = ("table", "call", "known_longest", "head_size", "fp8", "blocksparse", "row",
+                 "_usable")
     table: "RouteTable"
     call: DecodeCall
+    #: The longest sequence where it is known without a device sync (``verify_bound``).
+    known_longest: Optional[int]
     head_size: int
     fp8: bool
     blocksparse: bool
     row: Optional["Route"]  # the row chosen on these facts (``RouteTable.route``)
 
-    def __init__(self, table: "RouteTable", call: DecodeCall) -> None:
-        self.table, self.call = table, call
+    def __init__(self, table: "RouteTable", call: DecodeCall,
+                 known_longest: Optional[int] = None) -> None:
+        self.table, self.call, self.known_longest = table, call, known_longest
         self.head_size = int(call.query.shape[2])
         self.fp8 = call.kv_cache_dtype not in ("auto", None)
         self.blocksparse = call.is_blocksparse
@@ -233,7 +237,8 @@ class Facts:
                       t.v1_limit)
 
     def longest_above(self, threshold: int) -> bool:
-        return longest(self.call.seq_lens, self.call.max_seq_len, threshold) > threshold
+        call = self.call
+        return longest(call.seq_lens, call.max_seq_len, threshold, self.known_longest) > threshold
 
 
 class RouteTable:
@@ -305,8 +310,7 @@ class RouteTable:
             ValueError: ``max_seq_len`` below a sequence length known without a sync
                 (``longest.verify_bound``).
         """
-        verify_bound(call.seq_lens, call.max_seq_len)
-        facts = Facts(self, call)
+        facts = Facts(self, call, verify_bound(call.seq_lens, call.max_seq_len))
         row = facts.row = self.choose(facts)
         if row.route == "fallback":
             return row.route, None, facts
