@@ -21,7 +21,7 @@ import os
 import types
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from .native import probe
+from .source import source_tree
 
 #: (state, name, detail), as doctor's sections hold them.
 Check = Tuple[str, str, str]
@@ -59,7 +59,7 @@ def missing_calls(func: Callable[..., Any]) -> List[str]:
     """Every ``"module.name"`` that ``func`` calls as ``X.name(...)`` where ``X`` is one of
     its module globals bound to a module without ``name`` (in source order, once each);
     empty when there is none or the source cannot be read."""
-    parsed = probe.source_tree(func)
+    parsed = source_tree(func)
     globals_ = getattr(parsed[1], "__globals__", None) if parsed else None
     if parsed is None or globals_ is None:
         return []

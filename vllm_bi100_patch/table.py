@@ -1,10 +1,11 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here plus its factory (and, for a conditional patch, its ``when``
-check) in ``patches/``.  Everything else is derived from this table: the names accepted in
-``VLLM_BI100_PATCH_DISABLE`` (``config``), the modules the bootstrap hooks (``_bootstrap``), the
-code checks and the all-or-nothing apply/revert (``registry``), ``doctor``'s checks and the
-README's catalogue (``scripts/readme_tables.py``).
+Adding a patch is one row here plus its module in ``patches/`` (its factory, of the type
+``patches._common.Factory``, and for a conditional patch its ``when`` check) and its test.
+Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
+(``config``), the modules the bootstrap hooks (``_bootstrap``), the code checks and the
+all-or-nothing apply/revert (``registry``), the call counters (``patches._common``),
+``doctor``'s checks and the README's catalogue (``scripts/readme_tables.py``).
 
 Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch, no vLLM.
 
@@ -26,6 +27,9 @@ Row fields:
 - ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module)``
   returns None when the patch is needed in this build, else why not (the patch is then skipped,
   which is not a failure).
+- ``counters``: the names of the call counters the row's wrapper adds to (``status()["counts"]``);
+  its module takes their handles with ``patches._common.counter(name)``, which refuses a name
+  no row declares (at import, never in a call).
 - ``why``, ``how``, ``vllm``, ``upstream``, ``removal``: the catalogue entry.
 """
 
@@ -43,14 +47,14 @@ GUARD_IMPORT = "guard_import"
 class Patch:
     """One row of the table (read-only by convention)."""
 
-    __slots__ = ("name", "kind", "target", "params", "factory", "when", "why", "how", "vllm",
-                 "upstream", "removal")
+    __slots__ = ("name", "kind", "target", "params", "factory", "when", "counters", "why", "how",
+                 "vllm", "upstream", "removal")
 
     def __init__(self, name: str, kind: str, target: str, factory: str, *, why: str, how: str,
                  vllm: str, upstream: str, removal: str, params: Optional[str] = None,
-                 when: Optional[str] = None) -> None:
+                 when: Optional[str] = None, counters: Tuple[str, ...] = ()) -> None:
         self.name, self.kind, self.target, self.factory = name, kind, target, factory
-        self.params, self.when = params, when
+        self.params, self.when, self.counters = params, when, counters
         self.why, self.how, self.vllm, self.upstream, self.removal = (why, how, vllm, upstream,
                                                                       removal)
 
@@ -95,7 +99,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         "decode", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_decode",
         "vllm_bi100_patch.patches.paged_attention:make_decode_wrapper",
-        params="family:decode_params",
+        params="family:decode_params", counters=("forward_decode",),
         why="the native `paged_attention_v1` keeps a whole sequence's logits in shared memory "
             "and hangs BI-V100 above 32,768 tokens; Iluvatar's build forces V1, stubs V2 and "
             "takes other arguments than stock vLLM",
@@ -110,7 +114,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         "prefix", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_prefix",
         "vllm_bi100_patch.patches.paged_attention:make_prefix_wrapper",
-        params="family:prefix_params",
+        params="family:prefix_params", counters=("forward_prefix",),
         why="the stock method launches the Triton `context_attention_fwd`, which hangs "
             "BI-V100 (on CoreX 3.2.3 it is not even imported: `NameError`)",
         how="always the pure-PyTorch `paged_prefix`, tiled under `VLLM_BI100_PREFIX_BUDGET_MB`; "
@@ -123,7 +127,7 @@ PATCHES: Tuple[Patch, ...] = (
         "swap_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.swap_blocks",
         "vllm_bi100_patch.patches.kv_blocks:make_swap_wrapper",
         params="names:src_kv_cache,dst_kv_cache,src_to_dst",
-        when="vllm_bi100_patch.patches.kv_blocks:swap_needed",
+        when="vllm_bi100_patch.patches.kv_blocks:swap_needed", counters=("swap_blocks",),
         why="CoreX 3.2.3's `_custom_ops.swap_blocks` calls `ixformer.functions.swap_blocks`, "
             "which its ixformer lacks: the first preemption by swapping (n > 1, beam search "
             "under memory pressure) crashes the server",
@@ -138,7 +142,7 @@ PATCHES: Tuple[Patch, ...] = (
         "copy_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.copy_blocks",
         "vllm_bi100_patch.patches.kv_blocks:make_copy_wrapper",
         params="names:kv_caches,src_to_dists",
-        when="vllm_bi100_patch.patches.kv_blocks:copy_needed",
+        when="vllm_bi100_patch.patches.kv_blocks:copy_needed", counters=("copy_blocks",),
         why="CoreX 3.2.3's `_custom_ops.copy_blocks` calls `ixformer.functions.copy_blocks`; "
             "where an ixformer lacks it (the public listing of 3.2.3's `ixformer` shows only "
             "`vllm_copy_cache`), copy-on-write of a shared block (parallel sampling, beam "
@@ -153,7 +157,7 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.kv_write:make_write_wrapper",
         params="names:key,value,key_cache,value_cache,slot_mapping,kv_cache_dtype,k_scale,"
                "v_scale",
-        when="vllm_bi100_patch.patches.kv_write:write_needed",
+        when="vllm_bi100_patch.patches.kv_write:write_needed", counters=("kv_write_fp8",),
         why="CoreX 3.2.3's `_custom_ops.reshape_and_cache` takes `kv_cache_dtype` and the "
             "scales and drops them: with `--kv-cache-dtype fp8` the cache would not hold fp8 "
             "values and every decode and prefix would read garbage",
@@ -172,6 +176,7 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.dense_prefill:make_dense_wrapper",
         params="names:self,query,key,value,attn_metadata,attn_type",
         when="vllm_bi100_patch.patches.dense_prefill:dense_needed",
+        counters=("dense_prefill", "dense_vendor"),
         why="CoreX 3.2.3's XFormers backend runs every prompt without a cached prefix, and "
             "vLLM's memory-profiling run at start-up, through `ixformer.contrib.xformers`' "
             "flash `FwOp`, which fails above head size 128: a causal bias raises, a mask "
@@ -190,7 +195,7 @@ PATCHES: Tuple[Patch, ...] = (
         BACKEND_UTILS + ":CommonMetadataBuilder._add_seq_group",
         "vllm_bi100_patch.patches.block_tables:make_wrapper",
         params="code:vllm_bi100_patch.patches.block_tables:check",
-        when="vllm_bi100_patch.patches.block_tables:fix_needed",
+        when="vllm_bi100_patch.patches.block_tables:fix_needed", counters=("prefix_block_table",),
         why="with chunked prefill and prefix caching (CoreX 3.2.3 turns chunked prefill on "
             "above 32K), every chunk after a prompt's cached prefix keeps `prefix_cache_hit` "
             "and gets `computed_block_nums` (the cached blocks only) as its block table: "

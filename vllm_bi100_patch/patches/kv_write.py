@@ -21,20 +21,20 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
 from ..kernels import kv_write
-from ..native import probe
+from ..source import function_def
 from ..versions import Family
-from .paged_attention import CALL_COUNTS, ArgReader, Wrapper, _count
+from ._common import ArgReader, Wrapper, counter
 
 PARAMS = ("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype",
           "k_scale", "v_scale")
 
-CALL_COUNTS.setdefault("kv_write_fp8", 0)
+FP8_WRITES = counter("kv_write_fp8")
 
 
 def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
     """True when ``func`` has a parameter ``name`` that its body never reads, False when it
     reads it, None when the source cannot be read or there is no such parameter."""
-    fn = probe.function_def(func)
+    fn = function_def(func)
     if fn is None:
         return None
     params = [a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs]
@@ -74,7 +74,7 @@ def make_write_wrapper(family: Family, original: Callable[..., Any], module: typ
             raise ValueError(f"--kv-cache-dtype {dtype}: this build's reshape_and_cache drops "
                              "the cache dtype and the shim writes only "
                              f"{', '.join(kv_write.FP8_CACHE_DTYPES)} (or auto) caches")
-        _count("kv_write_fp8")
+        FP8_WRITES.add()
         kv_write.write_fp8(key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale)
         return None
 
