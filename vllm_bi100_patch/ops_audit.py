@@ -6,9 +6,8 @@ ixformer does not define (``docs/corex-3.2.3.md``): the first call crashes the e
 lists those whose body calls ``<module>.<name>(...)`` on a module global that has no such
 name (calls guarded by ``hasattr`` and names a local shadows are not judged; a lookup that
 raises is reported, never raised), each with the vLLM feature that calls it: ``ok`` where a
-patch row applied in this
-process replaces every caller (the swap/copy/write rows), ``FAIL`` where nothing does (the
-feature will crash).  Calls into ``torch.ops`` are never judged (stock wheels on a CPU torch
+patch row applied in this process replaces every caller (the swap/copy/write rows), ``FAIL``
+where nothing does (the feature will crash).  Calls into ``torch.ops`` are never judged (stock wheels on a CPU torch
 have no kernels behind them; on their own hardware they do).  ``timeout_check`` warns where
 vLLM's engine-iteration timeout is too short for long prompts on the pure-PyTorch paths.
 
