@@ -7,9 +7,10 @@ lists those whose body calls ``<module>.<name>(...)`` on a module global that ha
 name (calls guarded by ``hasattr`` and names a local shadows are not judged; a lookup that
 raises is reported, never raised), each with the vLLM feature that calls it: ``ok`` where a
 patch row applied in this process replaces every caller (the swap/copy/write rows), ``FAIL``
-where nothing does (the feature will crash).  Calls into ``torch.ops`` are never judged (stock wheels on a CPU torch
-have no kernels behind them; on their own hardware they do).  ``timeout_check`` warns where
-vLLM's engine-iteration timeout is too short for long prompts on the pure-PyTorch paths.
+where nothing does (the feature will crash).  Calls into ``torch.ops`` are never judged
+(stock wheels on a CPU torch have no kernels behind them; on their own hardware they do).
+``timeout_check`` warns where vLLM's engine-iteration timeout is too short for long prompts on
+the pure-PyTorch paths.
 
 Imported by doctor only, after vLLM's ops were imported; never imports vLLM itself.
 """

@@ -157,7 +157,9 @@ PATCHES: Tuple[Patch, ...] = (
         why="CoreX 3.2.3's `_custom_ops.reshape_and_cache` takes `kv_cache_dtype` and the "
             "scales and drops them: with `--kv-cache-dtype fp8` the cache would not hold fp8 "
             "values and every decode and prefix would read garbage",
-        how="only where the build's `reshape_and_cache` never reads its `kv_cache_dtype`: fp8 "
+        how="only where the build's `reshape_and_cache` never reads its `kv_cache_dtype` or "
+            "one of its scales (the dtype passed on without the scales would give fp8 bytes "
+            "that the shim reads back with scales): fp8 "
             "caches are written in PyTorch (`kernels.kv_write`: `fp8(x / scale)` saturated, "
             "vLLM's bytes and layout, slot -1 skipped), read back by the shim's decode and "
             "prefix; `auto` keeps the build's write; any other dtype is refused naming "
