@@ -13,9 +13,9 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import __version__, _bootstrap, config, decision, hardware, status, versions
+from . import __version__, _bootstrap, advice, config, decision, hardware, status, versions
 
-#: (state, name, detail); state is "ok", "FAIL" or "info".
+#: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
 
 
@@ -197,6 +197,10 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
         ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
          else "not a +corex build"),
     ]))
+    hint = advice.ipc_hint(cheap["ixformer"] or cheap["torch_corex"]
+                           or "corex" in (info.raw or ""))
+    if hint is not None:
+        sections[-1].checks.append(hint)
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     code_problems: Optional[List[str]] = None
