@@ -266,7 +266,8 @@ PATCHES: Tuple[Patch, ...] = (
             "inside a chunk, the model-input builder gives a chunk the multimodal rotary "
             "positions of the whole rest of the request: more positions than tokens, and the "
             "rotary embedding kills the engine (`RuntimeError: shape '[26540, -1, 256]' is "
-            "invalid` in the field)",
+            "invalid` in the field) or, where the counts divide, rotates with wrong positions "
+            "silently",
         how="after the original, a chunk keeps exactly the positions of its tokens: the "
             "builder's own (from the chunk's context) cut to its token count, as vLLM 0.6.5 "
             "slices `[context_len:seq_len]`; positions made from the request's delta before a "

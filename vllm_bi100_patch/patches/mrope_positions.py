@@ -9,9 +9,11 @@ request's positions from ``context_len`` to the end of the prompt.  With chunked
 chunk computes only ``[context_len, seq_len)``, and a prefix-cache hit inside a chunk leaves
 fewer tokens still; the model then gets more positions than tokens and the rotary embedding
 fails (``RuntimeError: shape '[26540, -1, 256]' is invalid for input of size 16384`` in the
-field, the engine dead).  vLLM fixed it in pull requests #10388 (slice ``[context_len:seq_len]``)
-and #10403 (the request's delta computed before that slice), first released in 0.6.5
-(``docs/corex-3.2.3.md``, "MRoPE").
+field, the engine dead) or, where the position count is a multiple of the token count, views
+the query heads as more tokens and rotates them with wrong positions, silently.  vLLM fixed
+it in pull requests #10388 (slice ``[context_len:seq_len]``) and #10403 (the request's delta
+computed before that slice), first released in 0.6.5 (``docs/corex-3.2.3.md``, "MRoPE
+positions of a chunk").
 
 The wrapper keeps, after the original ran, exactly the positions of the tokens the builder
 kept: the builder's own (``get_input_positions``: they start at the chunk's context) are cut
