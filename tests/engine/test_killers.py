@@ -145,3 +145,22 @@ def test_without_the_row_mrope_chunks_crash_or_rotate_wrong(with_rows, without_r
     full, partial = [s for s in hit["steps"] if s["request"] == "hit"][:2]
     assert full["positions"] == [3, 57] and "is invalid for input of size" in full["error"]
     assert partial["positions"] == [3, 40] and "is invalid for input of size" in partial["error"]
+
+
+def test_doctor_shows_each_row_as_this_build_needs_it(with_rows, tp_with_row):
+    proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"],
+                          env=clean_env(SHIM), capture_output=True, text=True, timeout=600,
+                          cwd=HERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    statuses = {"tp_empty_logits": tp_with_row[1]["status"],
+                "stream_delta": with_rows["stream_delta"]["status"],
+                "mrope_positions": with_rows["mrope_chunked"]["status"]}
+    for row, attr in (("tp_empty_logits", "forward"),
+                      ("stream_delta", "get_output_token_ids_to_return"),
+                      ("mrope_positions", "_compute_multi_modal_input")):
+        lines = [ln for ln in proc.stdout.splitlines() if f"] code check {attr}: " in ln]
+        assert len(lines) == 1, proc.stdout
+        if row in statuses[row]["report"]["applied"]:
+            assert lines[0].startswith("  [ok  ]"), lines
+        else:
+            assert lines[0].startswith("  [info]") and "not needed in this build" in lines[0]
