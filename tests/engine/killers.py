@@ -152,8 +152,10 @@ def _mrope_engine():
                                 vision_start_token_id=START, vision_end_token_id=END,
                                 vision_config=types.SimpleNamespace(spatial_merge_size=MERGE),
                                 rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
-    eng.runner.model_is_mrope = True
+    eng.runner.model_is_mrope = True  # 0.6.x reads this, 0.7 the model config's uses_mrope
     eng.runner.multi_modal_input_mapper = _Mapper()
+    # 0.7: no merged processor for this model, so the builder calls the mapper
+    eng.runner.mm_registry = types.SimpleNamespace(has_processor=lambda model_config: False)
     eng.runner.model_config = types.SimpleNamespace(
         is_encoder_decoder_model=False, is_encoder_decoder=False, enforce_eager=True,
         hf_config=cfg, uses_mrope=True)

@@ -122,10 +122,12 @@ def test_every_chunk_gets_its_tokens_true_mrope_positions(with_rows, name):
     bad = [s for s in steps if not s["positions_ok"] or s.get("error") or s["err"] != 0.0]
     assert not bad, bad
     assert all(s["positions"] == [3, s["tokens"]] for s in steps)
-    if name == "mrope_prefix_hit":  # a full hit (one token of a 32-token chunk), a partial one
+    if name == "mrope_prefix_hit":
         hit = [s for s in steps if s["request"] == "hit"]
-        assert (hit[0]["tokens"], hit[0]["seq_lens"]) == (1, [32])
-        assert (hit[1]["tokens"], hit[1]["seq_lens"]) == (16, [64])
+        if hit[0]["seq_lens"] == [32]:  # 0.6.x schedules the cached prefix again, in chunks:
+            assert (hit[0]["tokens"], hit[1]["tokens"], hit[1]["seq_lens"]) == (1, 16, [64])
+        else:  # the scheduler starts past the 48 cached tokens (0.7)
+            assert hit[0]["seq_lens"][0] - hit[0]["tokens"] == 48, hit
     if _needed(result, "mrope_positions"):
         assert result["status"]["counts"]["mrope_positions"] > 0
 
