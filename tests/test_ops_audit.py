@@ -137,6 +137,11 @@ def ternary(x):
     return lib.maybe(x) if hasattr(lib, "maybe") else x
 
 
+def asserted(x):
+    assert hasattr(lib, "maybe"), "this build has no maybe"
+    return lib.maybe(x)
+
+
 def parameter_shadows(lib, x):
     return lib.anything(x)
 

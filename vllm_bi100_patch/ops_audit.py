@@ -61,10 +61,11 @@ def missing_calls(func: Callable[..., Any]) -> List[str]:
     """Every ``"module.name"`` that ``func`` calls as ``X.name(...)`` where ``X`` is one of
     its module globals bound to a module without ``name`` (in source order, once each);
     empty when there is none or the source cannot be read.  A call guarded by
-    ``hasattr(X, "name")`` (in an ``if``/conditional expression, or after ``if not
-    hasattr(...)`` that leaves the block) is not judged, nor is ``X`` where a local name
-    (a parameter, an assignment) shadows the global.  A name whose lookup raises something
-    other than ``AttributeError`` is listed with what its lookup raises."""
+    ``hasattr(X, "name")`` (in an ``if``/conditional expression, after ``if not
+    hasattr(...)`` that leaves the block, or after ``assert hasattr(...)``) is not judged,
+    nor is ``X`` where a local name (a parameter, an assignment) shadows the global.  A name
+    whose lookup raises something other than ``AttributeError`` is listed with what its lookup
+    raises."""
     parsed = probe.source_tree(func)
     globals_ = getattr(parsed[1], "__globals__", None) if parsed else None
     if parsed is None or globals_ is None:
@@ -152,7 +153,9 @@ class _CallFinder:
               guards: Tuple[Guard, ...]) -> None:
         for stmt in stmts:
             self.visit(stmt, local, guards)
-            if isinstance(stmt, ast.If):
+            if isinstance(stmt, ast.Assert):  # past `assert hasattr(...)`
+                guards += tuple(_hasattr_guards(stmt.test)[0])
+            elif isinstance(stmt, ast.If):
                 when_true, when_false = _hasattr_guards(stmt.test)
                 if stmt.body and isinstance(stmt.body[-1], _EXITS):
                     guards += tuple(when_false)  # past `if not hasattr(...): return`
