@@ -13,9 +13,9 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import __version__, _bootstrap, config, decision, hardware, status, versions
+from . import __version__, _bootstrap, advice, config, decision, hardware, status, versions
 
-#: (state, name, detail); state is "ok", "FAIL" or "info".
+#: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
 
 
@@ -180,7 +180,8 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     settings = config.load()
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
-    sections = [_config_section(settings), _vllm_section(info, family), _hardware_section()]
+    sections = [_config_section(settings), _vllm_section(info, family),
+                _hardware_section(info)]
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     code_problems: Optional[List[str]] = None
@@ -216,13 +217,18 @@ def _vllm_section(info: versions.VersionInfo, family: Optional[versions.Family])
     return section
 
 
-def _hardware_section() -> Section:
+def _hardware_section(info: versions.VersionInfo) -> Section:
     cheap = hardware.cheap_detection()
-    return Section("hardware", [
+    section = Section("hardware", [
         ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
         ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
          else "not a +corex build"),
     ])
+    hint = advice.ipc_hint(cheap["ixformer"] or cheap["torch_corex"]
+                           or "corex" in (info.raw or ""))
+    if hint is not None:
+        section.checks.append(hint)
+    return section
 
 
 def _device_check() -> Check:

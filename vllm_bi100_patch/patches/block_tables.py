@@ -3,8 +3,9 @@ is made.
 
 Catalogue entry: row ``prefix_block_table`` of ``vllm_bi100_patch.table``.
 
-With chunked prefill and prefix caching on (BI-V100 servers run both; CoreX 3.2.3 turns
-chunked prefill on by itself above 32K), ``ModelInputForGPUBuilder._compute_for_prefix_cache_hit``
+With chunked prefill and prefix caching on (BI-V100 servers run both; vLLM 0.6.3 turns
+chunked prefill on by itself above 32K for models that are not multimodal),
+``ModelInputForGPUBuilder._compute_for_prefix_cache_hit``
 keeps ``inter_data.prefix_cache_hit = True`` for every later chunk of a prompt whose first
 blocks were cached, and ``CommonMetadataBuilder._add_seq_group`` then takes
 ``block_table = computed_block_nums``: only the cached prefix's blocks, fewer than a chunk past

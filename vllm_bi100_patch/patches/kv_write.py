@@ -7,7 +7,9 @@ CoreX 3.2.3's ``_custom_ops.reshape_and_cache`` takes ``kv_cache_dtype``, ``k_sc
 without them, ``docs/corex-3.2.3.md``): with ``--kv-cache-dtype fp8`` the cache would not hold
 fp8 values.  The row is conditional: ``write_needed`` reads the source of the build's
 ``ops.reshape_and_cache`` once, at patch time, and reports the patch as needed only when it has
-a ``kv_cache_dtype`` parameter its body never reads.  The wrapper writes fp8 caches with
+a ``kv_cache_dtype``, ``k_scale`` or ``v_scale`` parameter its body never reads (a build that
+passes the dtype on but drops the scales writes fp8 bytes the shim's decode and prefix would
+read back with scales).  The wrapper writes fp8 caches with
 ``kernels.kv_write.write_fp8`` (vLLM's bytes) and leaves ``"auto"`` caches to the build's own
 write; any other ``kv_cache_dtype`` is refused with an error naming ``--kv-cache-dtype``.
 Never imports vLLM.
@@ -45,19 +47,24 @@ def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
     return not reads
 
 
+#: What the build's ``reshape_and_cache`` must pass on for its own write to be right.
+PASSED_ON = ("kv_cache_dtype", "k_scale", "v_scale")
+
+
 def write_needed(module: types.ModuleType) -> Optional[str]:
-    """None when this build's ``ops.reshape_and_cache`` drops ``kv_cache_dtype``, else why
-    the patch is not needed."""
+    """None when this build's ``ops.reshape_and_cache`` drops ``kv_cache_dtype`` or one of
+    the scales (an fp8 cache written without its scales would be read back with them), else
+    why the patch is not needed."""
     ops = vars(module).get("ops")
     func = getattr(ops, "reshape_and_cache", None) if ops is not None else None
     if func is None:
         return f"{module.__name__} binds no ops.reshape_and_cache: nothing to replace"
-    ignored = ignores_parameter(func, "kv_cache_dtype")
-    if ignored is None:
+    ignored = {name: ignores_parameter(func, name) for name in PASSED_ON}
+    if ignored["kv_cache_dtype"] is None:
         return "the build's ops.reshape_and_cache has no readable kv_cache_dtype parameter"
-    if not ignored:
-        return "the build's ops.reshape_and_cache passes kv_cache_dtype on"
-    return None
+    if any(ignored.values()):
+        return None
+    return "the build's ops.reshape_and_cache passes kv_cache_dtype and the scales on"
 
 
 def make_write_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
