@@ -59,9 +59,10 @@ def _cpu_longest(seq_lens: torch.Tensor) -> int:
 def _read_already(seq_lens: torch.Tensor) -> Optional[int]:
     """The reading of this device tensor at its current version, if one was taken."""
     entry = _device_read  # one read of the global: a whole tuple, never half of two
-    if entry is not None and entry[0]() is seq_lens and entry[1] == seq_lens._version:
-        return entry[2]
-    return None
+    if entry is None:
+        return None
+    reader, version, value = entry
+    return value if version == seq_lens._version and reader() is seq_lens else None
 
 
 def _read_longest(seq_lens: torch.Tensor) -> int:
