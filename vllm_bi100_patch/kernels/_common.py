@@ -258,20 +258,28 @@ def pow2_at_least(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(t.float().clamp_min(tiny))))
 
 
-def bounded_query(q: torch.Tensor, scale: ScaleLike, dtype: torch.dtype
+def bounded_query(q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``scale * q`` split as ``q' * factor`` for half-precision score products.
+    """``q`` split as ``q' * step`` for half-precision score products: ``(q', step)``.
 
-    ``q'`` (in ``dtype``, contiguous) is ``q`` divided by a power of two per row (last
-    dimension) so that ``max |q'| <= 1 / head_size``: then ``|q' . k| <= max |k|`` for every
-    key, so a product of ``q'`` with keys finite in ``dtype`` is finite in ``dtype`` whatever
-    its reduction order, and float32 scores are ``(q' . k) * factor`` (``factor`` float32,
-    ``[..., 1]``: the power of two times ``scale``).  Dividing by a power of two is exact
-    (float16 components below 2**-14 of it lose low bits, far below the score's own
-    rounding)."""
-    qf = q.to(torch.float32)
-    step = pow2_at_least(qf.abs().amax(dim=-1, keepdim=True) * q.shape[-1])
-    return (qf / step).to(dtype).contiguous(), step * scale
+    ``step`` (float32, ``[..., 1]``) is the L1 norm of each row (last dimension; the
+    smallest normal float32 for a zero row) and ``q' = q / step`` in ``dtype`` (written into
+    ``out``, which may broadcast ``q`` over leading dimensions, when given).  Then
+    ``sum |q'| <= 1 + 2**-11`` after rounding, so ``|q' . k| <= 1.0005 max |k|`` for every key
+    in any order of summation: with the product scaled by 1/2 inside the GEMM (its ``alpha``,
+    applied to the float32 accumulator before rounding) nothing rounded to ``dtype`` can
+    overflow for keys finite in ``dtype``.  The float32 scores are ``2 * (q' . k) * step``.
+
+    Dividing by the L1 norm, not by ``head_size * max |q|``, keeps the small components of a
+    query with an outlier channel out of float16's subnormal range: a component keeps full
+    precision down to ``2**-14`` of the row's L1 norm (smaller ones add at most ``2**-25``
+    of it each to a score)."""
+    step = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float32)
+    step.clamp_min_(torch.finfo(torch.float32).tiny)
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    torch.div(q.expand(out.shape), step, out=out)
+    return out, step
 
 
 def as_count(name: str, value: object) -> int:
