@@ -262,20 +262,20 @@ def bounded_query(q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tenso
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``q`` split as ``q' * step`` for half-precision score products: ``(q', step)``.
 
-    ``step`` (float32, ``[..., 1]``) is the L1 norm of each row (last dimension; the
-    smallest normal float32 for a zero row) and ``q' = q / step`` in ``dtype`` (written into
-    ``out``, which may broadcast ``q`` over leading dimensions, when given).  Then
-    ``sum |q'| <= 1 + 2**-11`` after rounding, so ``|q' . k| <= 1.0005 max |k|`` for every key
-    in any order of summation: with the product scaled by 1/2 inside the GEMM (its ``alpha``,
-    applied to the float32 accumulator before rounding) nothing rounded to ``dtype`` can
-    overflow for keys finite in ``dtype``.  The float32 scores are ``2 * (q' . k) * step``.
+    ``step`` (float32, ``[..., 1]``) is the smallest power of two above the L1 norm of each
+    row (last dimension; 1 for a zero row) and ``q' = q / step`` in ``dtype`` (written into
+    ``out``, which may broadcast ``q`` over leading dimensions, when given).  Dividing by a
+    power of two is exact (float16 components below ``2**-14`` of it lose low bits), so
+    ``sum |q'| < 1`` and ``|q' . k| < max |k|`` for every key: a product of ``q'`` with keys
+    finite in ``dtype`` is finite in ``dtype`` whatever its reduction order.  The float32
+    scores are ``(q' . k) * step``.
 
-    Dividing by the L1 norm, not by ``head_size * max |q|``, keeps the small components of a
-    query with an outlier channel out of float16's subnormal range: a component keeps full
-    precision down to ``2**-14`` of the row's L1 norm (smaller ones add at most ``2**-25``
-    of it each to a score)."""
-    step = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float32)
-    step.clamp_min_(torch.finfo(torch.float32).tiny)
+    The L1 norm, not ``head_size * max |q|``, keeps the small components of a query with an
+    outlier channel out of float16's subnormal range: a component keeps full precision down
+    to ``2**-14`` of the row's L1 norm (smaller ones add at most ``2**-25`` of it each to a
+    score)."""
+    norm = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float32)
+    step = torch.pow(2.0, torch.frexp(norm).exponent)  # norm = m * 2**e, 1/2 <= m < 1
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
     torch.div(q.expand(out.shape), step, out=out)

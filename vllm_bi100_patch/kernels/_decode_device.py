@@ -12,9 +12,9 @@ gathers and the two matrix products repeat per pass):
    value is ever zeroed and no garbage slot is ever read; block ids are clamped into the
    cache (an empty sequence's table row may hold anything);
 2. keys gathered token by token in the tile layout ``[tiles, S, kv, tile, D]`` (one
-   ``index``), scores ``1/2 q' . k`` in the half dtype (float32 accumulation; ``q'`` is the
-   query over its L1 norm, ``_common.bounded_query``: no score can overflow), hidden scores
-   ``-inf``;
+   ``index``), scores ``q' . k`` in the half dtype (float32 accumulation; ``q'`` is the query
+   over a power of two above its L1 norm, ``_common.bounded_query``: no score can overflow),
+   hidden scores ``-inf``;
 3. the sequence's maximum score (exact), ``p = exp(score - max)`` in float32, each tile's
    ``sum(p)``; probabilities divided by twice their tile sum and rounded to the half dtype
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
@@ -95,12 +95,8 @@ def attend_device(calls: Calls, key_cache: torch.Tensor, value_cache: torch.Tens
     for c0, n in plan.chunks():
         keys = gather_token_keys(key_cache, index.blocks, index.slots, index.heads, c0, n,
                                  spec, work)
-        # beta=0: the (empty, expanded) input is never read; alpha=1/2 scales the float32
-        # accumulator before it is rounded (the overflow margin of ``bounded_query``).
-        ignored = torch.empty((1, 1, 1), dtype=work, device=q.device)
-        torch.baddbmm(ignored.expand(n * num_seqs * kv, group, plan.tile),
-                      qb[:n].view(-1, group, d), keys.transpose(1, 2), beta=0, alpha=0.5,
-                      out=scores[c0:c0 + n].view(-1, group, plan.tile))
+        torch.bmm(qb[:n].view(-1, group, d), keys.transpose(1, 2),
+                  out=scores[c0:c0 + n].view(-1, group, plan.tile))
         del keys
     probs = _probabilities(scores, index, step, q_scale, calls)
     del scores
@@ -134,15 +130,15 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
                    q_scale: ScaleLike, calls: Calls) -> torch.Tensor:
     """float32 ``p = exp(score - max)`` per position (``[tiles, S, kv, group, tile]``).
 
-    A score is ``2 * scale * step * s`` (``s`` the half-precision product, ``step`` the
-    query's L1 norm); with ALiBi the bias is added in float32 first."""
+    A score is ``scale * step * s`` (``s`` the half-precision product, ``step`` the power of
+    two of ``bounded_query``); with ALiBi the bias is added in float32 first."""
     tiles, num_seqs = scores.shape[:2]
     hidden = index.hidden.view(tiles, num_seqs, 1, 1, -1)
     # The score factor, negated: one op for a float scale.
     if isinstance(q_scale, torch.Tensor):
-        negated = torch.mul(step, q_scale).mul_(-2.0)
+        negated = torch.mul(step, q_scale).neg_()
     else:
-        negated = torch.mul(step, -2.0 * q_scale)
+        negated = torch.mul(step, -q_scale)
     if calls.alibi_slopes is None:
         scores.masked_fill_(hidden, -math.inf)
         top = scores.amax(dim=(0, 4), keepdim=True)
