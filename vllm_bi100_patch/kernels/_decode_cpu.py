@@ -3,8 +3,8 @@
 The same absolute tiles, per-tile partials and merge tree as the device path
 (``_decode_tiles``), in CPU terms: tiles of ``CPU_TILE_TOKENS`` (short, since waste past a
 sequence's end is what costs on a CPU, not the number of ops) gathered in passes of at most
-about ``CPU_PASS_BYTES`` of float32 K or V (measured on this project's 2-core machine:
-larger passes are slower), all matrix products in float32:
+about ``CPU_PASS_BYTES`` of float32 K or V (larger passes are slower: fresh allocations of
+tens of MiB are page-faulted in on every call), all matrix products in float32:
 
 1. keys of a pass gathered as whole blocks (``_gather.gather_keys``: 16-byte units), float32
    scores for every tile of every sequence (ALiBi added, hidden positions ``-inf``);
@@ -30,8 +30,10 @@ from ._gather import gather_keys, gather_values_blocks
 
 __all__ = ["CPU_PASS_BYTES", "CPU_TILE_TOKENS", "attend_cpu", "plan_cpu"]
 
-#: Tokens per tile on CPUs (rounded up to a multiple of the block size).
-CPU_TILE_TOKENS = 256
+#: Tokens per tile on CPUs (rounded up to a multiple of the block size): short, because a
+#: CPU pays for the positions gathered past a sequence's end, not for the number of ops
+#: (measured on this project's 2-core machine: 64 beats 128 and 256 at 1x112 to 8x4096).
+CPU_TILE_TOKENS = 64
 #: float32 K (or V) gathered per pass on CPUs, at most (the memory budget may ask less).
 CPU_PASS_BYTES = 4 << 20
 

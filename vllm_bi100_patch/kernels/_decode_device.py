@@ -65,11 +65,13 @@ def plan_device(num_seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
     tiles = max(1, ceil_div(width_tokens, tile))
     leaves = 1 << (tiles - 1).bit_length()
     d, kv = spec.head_size, spec.num_kv_heads
-    raw = 1 if spec.fp8 or spec.storage_dtype != work else 0  # a gather before converting
-    # Per sequence, for the whole call: indices, scores (half, float32, probabilities),
-    # partials and the tree's first level; per sequence and tile of a pass: one gathered
-    # K or V tile, the expanded query and the tile's P.V.
-    fixed = tiles * tile * (17 + heads * (half + 4 + half)) + leaves * heads * (d + 1) * 4 * 2
+    # A gather in the cache's dtype before converting (fp8 caches, or a float32 work dtype).
+    converted = spec.fp8 or spec.storage_dtype != work
+    raw = torch.empty((), dtype=spec.storage_dtype).element_size() if converted else 0
+    # Per sequence, for the whole call: indices, scores (half, float32 with an ALiBi bias,
+    # probabilities), partials and the tree's first level; per sequence and tile of a pass:
+    # one gathered K or V tile, the expanded query and the tile's P.V.
+    fixed = tiles * tile * (17 + heads * (half + 8 + half)) + leaves * heads * (d + 1) * 4 * 2
     per_tile = tile * kv * d * (half + raw) + 2 * heads * d * half
 
     def cost(seqs: int, chunk: int) -> int:
