@@ -17,6 +17,7 @@ from device_checks import decode_from, large_magnitude_errors, magnitude_case
 from helpers.reference import (
     TOLERANCE,
     attend,
+    cpu_half_gemm,
     make_cache,
     make_tables,
     ref_decode,
@@ -115,6 +116,12 @@ def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch
     assert len(warned) == 1 and "sequence 1 overflowed" in warned[0], warned
 
 
+def _needs_half_gemm():
+    """The GPU formulation of a float16 call needs float16 GEMMs on CPU (not in torch 2.1)."""
+    if _common.FORCE_COMPUTE == "native" and not cpu_half_gemm():
+        pytest.skip(f"torch {torch.__version__} has no float16 GEMM on CPU")
+
+
 def _big_values_batch(seed, dtype=torch.float16):
     """Four sequences (1-299 tokens), two KV heads of 64, every value 65,504 (the float16
     maximum), random queries and keys: the exact answer is 65,504 everywhere."""
@@ -134,6 +141,7 @@ def test_decode_mean_of_largest_values_is_finite(formulation):
     batches).  200 random batches, scores from peaked to flat: every output is 65,504 within
     one float16 step (products rounded to float16 cannot promise the last bit).  (bfloat16
     values near its maximum, 3.4e38, overflow float32's accumulation as float32 math would.)"""
+    _needs_half_gemm()
     for seed in range(200):
         for scale in (0.125, 1.0):
             out = paged_decode(*_big_values_batch(seed), scale)
@@ -143,6 +151,7 @@ def test_decode_mean_of_largest_values_is_finite(formulation):
 
 def test_decode_mean_of_largest_values_long_context(formulation):
     """The same at 40,000 tokens (float32 accumulation over long contexts)."""
+    _needs_half_gemm()
     g = torch.Generator().manual_seed(3)
     n = 40_000
     num_blocks = n // 16
@@ -179,6 +188,7 @@ def test_query_outlier_channel_keeps_fp16_precision(head_size, outlier, formulat
     components of a query with a 4,000x outlier channel into float16 subnormals (decode
     error 1.8e-2 at head 256); a plain float16 cast of the query keeps 1.5e-3
     (``TOLERANCE`` of the float32 mode for float16)."""
+    _needs_half_gemm()
     args = _outlier_case(head_size, outlier)
     out = paged_decode(*args, head_size ** -0.5)
     ref = ref_decode(*args, head_size ** -0.5)
