@@ -46,6 +46,12 @@ QUERY_TILE = 16
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
 SDPA_QUERY_TILE = 256
+#: Scale of float16 ``P.V`` products (a power of two: exact): with the running-max shift a
+#: row's weights are at most 1 and sum to at most its visible keys, so the product stays
+#: finite while (weight sum) x max |value| < 65,504 / 2**-8 = 16.7e6 (e.g. 4,096 equally
+#: weighted keys of values 4,000); past that the row is recomputed in float32.  What it costs:
+#: products below 2**-6 lose bits to float16 subnormals (absolute error <= 2**-17).
+FP16_PV_ALPHA = 2.0 ** -8
 #: Largest key group whatever the budget (positions fit float32 exactly far beyond it).
 MAX_GROUP_KEYS = 1 << 20
 
@@ -126,8 +132,8 @@ class Tiling:
     and ones), so no pass of its own, and
     no running max: groups add up on the same scale; ``"max"`` (float16, whose range is too
     short for ``"self"``, non-causal attention and the float32 re-run), the running row max
-    with the usual correction.  ``pv_alpha``: the ``P.V`` products' scale (float16: 1/16,
-    for range).
+    with the usual correction.  ``pv_alpha``: the ``P.V`` products' scale (float16:
+    ``FP16_PV_ALPHA``).
     """
 
     key_tile: int
@@ -195,7 +201,7 @@ def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: tor
     groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 4) // (per_key * kt)))
     shift = "max" if (work == torch.float16 or not causal) else "self"
     return Tiling(kt, groups * kt, QUERY_TILE, work, shift,
-                  pv_alpha=1 / 16 if work == torch.float16 else 1.0)
+                  pv_alpha=FP16_PV_ALPHA if work == torch.float16 else 1.0)
 
 
 def chunk_tokens(tokens: int, keys: int, staged: int, heads: int, kv_heads: int,

@@ -23,8 +23,8 @@ identically whether cached or new (``_prefix_stage``).  What a matrix product's 
 do to a row: nothing, on CPU (``tests/kernels/test_invariance.py``); a GPU library that
 picks its algorithm by shape might (``tests/kernels/device_checks.py`` shows it).
 
-Range (``docs/bi100-limits.md``): float16 ``P.V`` runs at 1/16 scale (its ``alpha``; the
-probabilities are at most 1); a query whose output row is not finite (its float16 scores
+Range (``docs/bi100-limits.md``): float16 ``P.V`` runs at ``FP16_PV_ALPHA`` scale (its
+``alpha``; the weights are at most 1); a query whose output row is not finite (its float16 scores
 overflowed, its ``"self"``-shifted weights passed the dtype's range, or a visible input is
 NaN/inf) is recomputed alone, in float32 with the ``"max"`` shift (``recompute``): a
 per-row decision, so it does not depend on the slicing either.
@@ -54,8 +54,8 @@ class TiledRunner:
         self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
         self.device = inp.query.device
         self._bufs: Dict[str, torch.Tensor] = {}
-        #: (sequence, first row, last row, float32 sum of its output rows) per unit that can
-        #: overflow: the sum is finite iff every row is (or it is huge: a spurious re-run).
+        #: (sequence, first row, last row, float32 sum of each row's weighted sums) per unit
+        #: that can overflow: finite iff the row's are (or huge: a spurious re-run).
         self.checks: List[Tuple[SeqSpan, int, int, torch.Tensor]] = []
         self.check = til.work != torch.float32 or til.shift == "self"
 
@@ -244,25 +244,38 @@ class TiledRunner:
 
     def _finish(self, seq: SeqSpan, c0: int, c1: int, state: "_State", out: torch.Tensor,
                 i0: int, dest: Optional[torch.Tensor]) -> None:
-        """Normalised rows into ``out`` (the ones column holds the row sums)."""
+        """Normalised rows into ``out`` (the ones column holds the row sums).  A weighted
+        mean cannot leave its values' range, but the rounded sums can make a float16 one
+        round past 65,504: the result is clamped to the finite range (where the sums
+        themselves overflowed, the row is recomputed: ``recompute``)."""
         kv, group, d = self.kv, self.group, self.d
         n = c1 - c0
         res = state.result().view(kv, state.tokens, group, self.cols)[:, :n]
         rows = out[seq.start + c0:seq.start + c1] if dest is None else dest[c0 - i0:c1 - i0]
         target = rows.view(n, kv, group, d).permute(1, 0, 2, 3)
         torch.div(res[..., :d], res[..., d:d + 1], out=target)
+        if rows.dtype == torch.float16:
+            top = torch.finfo(torch.float16).max
+            rows.clamp_(-top, top)
         if self.check:
-            self.checks.append((seq, c0, c1, rows.sum(dtype=torch.float32)))
+            self.checks.append((seq, c0, c1, res[..., :d + 1].sum(dim=(0, 2, 3),
+                                                                   dtype=torch.float32)))
 
     def recompute(self, out: torch.Tensor) -> None:
-        """Rows whose output is not finite run again, one absolute query tile at a time, in
+        """Rows whose weighted sums are not finite (scores or sums past the work dtype's
+        range, or non-finite inputs) run again, one absolute query tile at a time, in
         float32 with the ``"max"`` shift; only those rows are replaced.  One host read."""
         if not self.checks:
             return
-        sums = self.checks[0][3].view(1) if len(self.checks) == 1 else torch.stack(
-            [total for *_, total in self.checks])
-        bad = [(seq, c0, c1) for (seq, c0, c1, _), total in zip(self.checks, sums.tolist())
-               if not math.isfinite(total)]
+        sums = (self.checks[0][3] if len(self.checks) == 1 else torch.cat(
+            [per_row for *_, per_row in self.checks])).tolist()
+        bad: List[Tuple[SeqSpan, int, int, List[int]]] = []
+        at = 0
+        for seq, c0, c1, _ in self.checks:
+            flagged = [c0 + i for i in range(c1 - c0) if not math.isfinite(sums[at + i])]
+            at += c1 - c0
+            if flagged:
+                bad.append((seq, c0, c1, flagged))
         self.checks = []
         if not bad:
             return
@@ -273,12 +286,9 @@ class TiledRunner:
                                         shift="max"), self.budget)
         again.check = False
         tmp = torch.empty((qt,) + tuple(out.shape[1:]), dtype=out.dtype, device=out.device)
-        for seq, c0, c1 in bad:
-            rows = out[seq.start + c0:seq.start + c1]
-            flagged = [c0 + i for i in
-                       (~torch.isfinite(rows).flatten(1).all(1)).nonzero().flatten().tolist()]
-            log.warning("prefix/dense attention: %d output rows not finite in %s (scores or "
-                        "weights past its range, or non-finite inputs); recomputed in float32",
+        for seq, c0, c1, flagged in bad:
+            log.warning("prefix/dense attention: %d rows past the range of %s (scores or "
+                        "weighted sums, or non-finite inputs); recomputed in float32",
                         len(flagged), self.til.work)
             for t in sorted({(seq.ctx + i) // qt for i in flagged}):
                 r0, r1 = max(c0, t * qt - seq.ctx), min(c1, (t + 1) * qt - seq.ctx)
@@ -301,7 +311,7 @@ class _State:
     when a second group or float32 ``P.V`` needs it, and for the ``"max"`` shift the running
     max and the pending correction.  A chunk whose keys are one group and whose ``P.V`` is
     half precision normalises that product directly: the same numbers (adding it to a zero
-    float32 accumulator is exact, and so is the 1/16 scale of float16 ``P.V``)."""
+    float32 accumulator is exact, and so is the power-of-two scale of float16 ``P.V``)."""
 
     def __init__(self, runner: TiledRunner, n: int) -> None:
         self.runner = runner
