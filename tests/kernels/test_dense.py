@@ -109,6 +109,21 @@ def test_large_scores_at_head_256_are_not_nan_in_float16(monkeypatch):
     assert torch.equal(dense.varlen_attention(q, k, v, [n], 256 ** -0.5), out)
 
 
+def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(monkeypatch):
+    """q = 64, k = -64 at head 256: every scaled score is -65,536, -inf in float16; under a
+    1 MiB budget the 600 keys span several key groups, so no row's running max is ever
+    finite and its weights are all 0: the row is recomputed in float32 (it was 0/0, NaN)."""
+    if not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    _gpu_mode(monkeypatch)
+    n = 600
+    q = torch.full((n, 4, 256), 64.0, dtype=torch.float16)
+    k = torch.full((n, 1, 256), -64.0, dtype=torch.float16)
+    v = torch.ones(n, 1, 256, dtype=torch.float16)
+    out = dense.varlen_attention(q, k, v, [n], 256 ** -0.5, budget_mb=1)
+    assert torch.equal(out, torch.ones_like(out))
+
+
 @pytest.mark.parametrize("spread", [0.2, 1.5])
 def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
     """Values at 65,504 (the largest float16): every output is 65,504; float16 weights

@@ -54,8 +54,9 @@ class TiledRunner:
         self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
         self.device = inp.query.device
         self._bufs: Dict[str, torch.Tensor] = {}
-        #: (sequence, first row, last row, float32 sum of each row's weighted sums) per unit
-        #: that can overflow: finite iff the row's are (or huge: a spurious re-run).
+        #: (sequence, first row, last row, float32 sum of each row's weighted sums, row sums
+        #: and clamped output) per unit that can overflow: finite iff the row's sums are and
+        #: its weights are not all 0 (or huge: a spurious re-run).
         self.checks: List[Tuple[SeqSpan, int, int, torch.Tensor]] = []
         self.check = til.work != torch.float32 or til.shift == "self"
 
@@ -257,14 +258,17 @@ class TiledRunner:
         if rows.dtype == torch.float16:
             top = torch.finfo(torch.float16).max
             rows.clamp_(-top, top)
-        if self.check:
-            self.checks.append((seq, c0, c1, res[..., :d + 1].sum(dim=(0, 2, 3),
-                                                                   dtype=torch.float32)))
+        if self.check:  # the sums (inf: overflow) and the clamped rows (NaN: 0/0, every
+            # score -inf, or a NaN input)
+            total = res[..., :d + 1].sum(dim=(0, 2, 3), dtype=torch.float32)
+            total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
+            self.checks.append((seq, c0, c1, total))
 
     def recompute(self, out: torch.Tensor) -> None:
-        """Rows whose weighted sums are not finite (scores or sums past the work dtype's
-        range, or non-finite inputs) run again, one absolute query tile at a time, in
-        float32 with the ``"max"`` shift; only those rows are replaced.  One host read."""
+        """Rows whose weighted sums are not finite or whose weights are all 0 (scores or sums
+        past the work dtype's range, or non-finite inputs) run again, one absolute query
+        tile at a time, in float32 with the ``"max"`` shift; only those rows are replaced.
+        One host read."""
         if not self.checks:
             return
         sums = (self.checks[0][3] if len(self.checks) == 1 else torch.cat(
