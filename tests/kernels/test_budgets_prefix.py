@@ -5,10 +5,10 @@ issue's per-rank shape (4 query heads / 1 KV head of 256, block 16).
 
 The account counts ops and bytes, it does not time; a float16 matrix product on a CPU is
 emulated and slow (about a minute for these three calls), so the budget tests run the
-kernels with every matrix product answered by zeros of its result's shape (``ZeroGemms``):
+kernels with every matrix product answered by ones of its result's shape (``OneGemms``):
 the ops and their operands are the same, only the values differ, and the only values the
-kernels branch on (the float16 re-run check of the weighted sums) are zeros: finite, no
-re-run.  ``test_zero_gemms_account_is_the_real_one`` proves the two accounts equal on a
+kernels branch on (the float16 re-run check of the weighted sums and the row sums) are
+ones: finite, no re-run.  ``test_one_gemms_account_is_the_real_one`` proves the two accounts equal on a
 smaller call of each kernel.
 """
 
@@ -40,8 +40,8 @@ BASELINE = {
 _GEMMS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 
 
-class ZeroGemms(TorchDispatchMode):
-    """Answers every matrix product with zeros of its result's shape and dtype (in place for
+class OneGemms(TorchDispatchMode):
+    """Answers every matrix product with ones of its result's shape and dtype (in place for
     ``baddbmm_``/``addmm_``); every other op runs.  Used under (outside of) ``Account``."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
@@ -51,13 +51,13 @@ class ZeroGemms(TorchDispatchMode):
         if name.rstrip("_") not in _GEMMS:
             return func(*args, **kwargs)
         if name.endswith("_"):
-            return args[0].zero_()
+            return args[0].fill_(1)
         a, b = args[-2], args[-1]
         shape = tuple(a.shape[:-1]) + (b.shape[-1],)
         dest = kwargs.get("out")
         if dest is not None:
-            return dest.zero_()
-        return torch.zeros(shape, dtype=a.dtype, device=a.device)
+            return dest.fill_(1)
+        return torch.ones(shape, dtype=a.dtype, device=a.device)
 
 
 def _gpu_mode(monkeypatch) -> None:
@@ -90,9 +90,9 @@ def _dense_call(n: int) -> Callable[[], torch.Tensor]:
     return lambda: dense.varlen_attention(q, k, v, [n], HEAD ** -0.5)
 
 
-def _account(fn: Callable[[], torch.Tensor], zero_gemms: bool) -> Tuple[Account, torch.Tensor]:
-    if zero_gemms:
-        with ZeroGemms(), Account() as acc:
+def _account(fn: Callable[[], torch.Tensor], one_gemms: bool) -> Tuple[Account, torch.Tensor]:
+    if one_gemms:
+        with OneGemms(), Account() as acc:
             out = fn()
     else:
         with Account() as acc:
@@ -100,15 +100,15 @@ def _account(fn: Callable[[], torch.Tensor], zero_gemms: bool) -> Tuple[Account,
     return acc, out
 
 
-def test_zero_gemms_account_is_the_real_one(monkeypatch):
+def test_one_gemms_account_is_the_real_one(monkeypatch):
     """The shortcut changes values only: the same ops on the same operands (a float32 re-run,
-    had the zeros triggered one, would add ops)."""
+    had the ones triggered one, would add ops)."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
     _gpu_mode(monkeypatch)
     for fn in (_prefix_call(1024, 64), _dense_call(512)):
-        real, _ = _account(fn, zero_gemms=False)
-        fake, _ = _account(fn, zero_gemms=True)
+        real, _ = _account(fn, one_gemms=False)
+        fake, _ = _account(fn, one_gemms=True)
         assert [(x.name, x.bytes, x.flops) for x in fake.log] == [
             (x.name, x.bytes, x.flops) for x in real.log]
         assert fake.by_op.get("bmm", 0) + fake.by_op.get("baddbmm_", 0) > 0
@@ -119,7 +119,7 @@ def test_prefix_tiled_path_budget(ctx, new, monkeypatch):
     """Launches at most half, bytes at most 70% of the starting commit's (issue 19 item 2)."""
     _gpu_mode(monkeypatch)
     launches, moved = BASELINE[f"prefix {ctx}+{new}"]
-    acc, _ = _account(_prefix_call(ctx, new), zero_gemms=True)
+    acc, _ = _account(_prefix_call(ctx, new), one_gemms=True)
     assert acc.launches <= launches // 2, acc.by_op
     assert acc.bytes <= 0.7 * moved, (acc.bytes, moved)
 
@@ -128,6 +128,6 @@ def test_dense_budget(monkeypatch):
     """A 2,048-token prompt: bytes at most 70% of the starting commit's, no more launches."""
     _gpu_mode(monkeypatch)
     launches, moved = BASELINE["dense 2048"]
-    acc, _ = _account(_dense_call(2048), zero_gemms=True)
+    acc, _ = _account(_dense_call(2048), one_gemms=True)
     assert acc.launches <= launches, acc.by_op
     assert acc.bytes <= 0.7 * moved, (acc.bytes, moved)
