@@ -131,3 +131,19 @@ def test_dense_budget(monkeypatch):
     acc, _ = _account(_dense_call(2048), one_gemms=True)
     assert acc.launches <= launches, acc.by_op
     assert acc.bytes <= 0.7 * moved, (acc.bytes, moved)
+
+
+def test_dense_tile_choice_never_collapses(monkeypatch):
+    """Issue 19 item 2 (issue 21 item 6): 256 tokens of 16/16 heads of 256 under an 8 MiB
+    budget took 3,840 launches at 19618c3 (a tile of one query row); the working set of a
+    few query tiles fits, so at most 4 times the launches of the same call under 256 MiB."""
+    _gpu_mode(monkeypatch)
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(256, 16, HEAD, generator=g).to(DTYPE) for _ in range(3))
+    counts = []
+    for mb in (8, 256):
+        acc, _ = _account(lambda mb=mb: dense.varlen_attention(q, k, v, [256], 1 / 16,
+                                                               budget_mb=mb),
+                          one_gemms=True)
+        counts.append(acc.launches)
+    assert counts[0] <= 4 * counts[1], counts
