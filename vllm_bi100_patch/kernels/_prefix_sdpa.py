@@ -80,7 +80,8 @@ def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> 
             q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(
                 query[start + r0:start + r1].transpose(0, 1))
         lo = 0 if window is None else max(0, p0 - window + 1)
-        if full is not None:
+        if window is None:
+            assert full is not None
             mask = full[:, last - p0:]
         else:  # row i sees key lo + j iff p0 - lo - window + 1 <= j - i <= p0 - lo
             mask = torch.ones((qt, p0 + qt - lo), dtype=torch.bool, device=query.device)

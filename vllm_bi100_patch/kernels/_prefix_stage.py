@@ -76,7 +76,7 @@ def stage_values(inp: PrefixInputs, seq: SeqSpan, a: int, b: int, values: torch.
     values[:, :, d].fill_(1)
     ctx_end = min(b, seq.ctx)
     if ctx_end > a:
-        assert inp.spec is not None and seq.table is not None
+        assert inp.spec is not None and inp.value_cache is not None and seq.table is not None
         spec = inp.spec
         bs = spec.block_size
         b0, b1 = a // bs, ceil_div(ctx_end, bs)
