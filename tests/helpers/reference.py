@@ -194,7 +194,9 @@ def ref_prefix(query, key, value, key_cache, value_cache, block_tables, query_st
                kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     """Queries ``query_start_loc[i]:query_start_loc[i+1]`` (new tokens at positions
     ``context_lens[i]`` on, their K/V in ``key``/``value``) over the cached context plus the
-    new tokens; ``sliding_window`` w: a query sees the last w positions, itself included."""
+    new tokens; ``sliding_window`` w: a query sees the last w positions, itself included.
+    fp8 caches: the new tokens' K/V count as the cache stores them (``through_fp8``), what
+    the kernels read (a token reads the same whether new in this call or cached)."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     starts = [int(v) for v in query_start_loc]
     for i in range(len(starts) - 1):
@@ -205,11 +207,22 @@ def ref_prefix(query, key, value, key_cache, value_cache, block_tables, query_st
                              f"({ctx} + {b - a}), got {int(seq_lens[i])}")
         kc, vc = gather_seq(key_cache, value_cache, block_tables[i], ctx, kv_cache_dtype,
                             k_scale, v_scale)
-        k = torch.cat([kc, key[a:b].to(torch.float64)])
-        v = torch.cat([vc, value[a:b].to(torch.float64)])
+        k = torch.cat([kc, through_fp8(key[a:b], kv_cache_dtype, k_scale)])
+        v = torch.cat([vc, through_fp8(value[a:b], kv_cache_dtype, v_scale)])
         out[a:b] = attend(query[a:b], k, v, range(ctx, ctx + b - a), scale, alibi_slopes,
                           sliding_window)
     return out
+
+
+def through_fp8(x: torch.Tensor, kv_cache_dtype: str, scale: float) -> torch.Tensor:
+    """``x`` in float64 as an fp8 cache of ``kv_cache_dtype`` stores and returns it: float32
+    ``x / scale`` rounded to fp8, saturated, times ``scale`` (``auto``: ``x`` itself)."""
+    if kv_cache_dtype == "auto":
+        return x.to(torch.float64)
+    f8 = getattr(torch, FP8[kv_cache_dtype])
+    top = torch.finfo(f8).max
+    stored = (x.to(torch.float32) / float(scale)).clamp(-top, top).to(f8)
+    return stored.to(torch.float64) * float(scale)
 
 
 #: ``max |out - ref| / max |ref|`` bounds per (compute mode, dtype); how they were set:

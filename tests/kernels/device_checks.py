@@ -37,7 +37,9 @@ from helpers.reference import (  # noqa: E402
     rel_error,
 )
 
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
+from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows  # noqa: E402
+
+from vllm_bi100_patch.kernels import _common, dense, paged_decode, paged_prefix, prefix  # noqa: E402
 
 
 class Skip(Exception):
@@ -181,7 +183,22 @@ def large_magnitude_errors(device: torch.device, dtype: torch.dtype) -> list:
         err = rel_error(paged_decode(*decode_from(dev), scale).cpu(), ref[-1:])
         if not err <= bound:
             failures.append(("decode", ctx, qv, kv, vv, const, err))
+        err = rel_error(dense_last_rows(case, dtype, ctx, qv, kv, vv, const, scale, device), ref)
+        if not err <= bound:
+            failures.append(("dense", ctx, qv, kv, vv, const, err))
     return failures
+
+
+def dense_last_rows(case, dtype: torch.dtype, ctx: int, qv: float, kv: float, vv: float,
+                    const: bool, scale: float, device: torch.device) -> torch.Tensor:
+    """The dense kernel (row ``dense_prefill``) over the whole ``magnitude_case`` sequence as
+    one prompt: its last ``new`` rows are the case's prefix rows (the same keys, values and
+    last queries; the earlier queries are drawn like them)."""
+    q = case[0]
+    whole = magnitude_case(dtype, 0, ctx + q.shape[0], qv, kv, vv, constant=const)
+    q_all = torch.cat([whole[0][:ctx], q])  # k and v: the same draws as the case's
+    args = [t.to(device) for t in (q_all, whole[1], whole[2])]
+    return dense.varlen_attention(*args, [q_all.shape[0]], scale)[ctx:].cpu()
 
 
 def check_large_magnitudes(device: torch.device) -> None:
@@ -325,9 +342,38 @@ def check_decode_batch_invariance(device: torch.device) -> None:
     assert not failures, f"decode rows differ alone vs batched: {failures}"
 
 
+#: Issue 20's slicings of one 1,024-token prompt (rows 896-1023 compared with one chunk).
+SLICINGS = {"chunks of 512": chunked(1024, 512), "hit of 896": hit(1024, 896),
+            "hit inside a block, then the rest": hit(1024, 896, 901),
+            "chunks of 37": chunked(1024, 37)}
+
+
+def check_prefix_slicing_invariance(device: torch.device) -> None:
+    """Same prompt, same answer: the prefix rows 896-1023 of a 1,024-token prompt (8/2 heads
+    of 128) are bit-identical however it is sliced (chunked prefill, prefix-cache hits, a
+    batch mate), and at head 256 the dense kernel's rows equal the prefix kernel's after a
+    hit.  Exact on CPU by construction; on a GPU a matrix-product library could pick another
+    algorithm by shape: this check shows whether it does."""
+    failures = []
+    for dtype in _dtypes(device):
+        p = prompt(1024, 8, 2, 128, dtype, seed=20)
+        whole = prefix_rows(p, [(0, 1024)], device=str(device))
+        cases = dict(SLICINGS)
+        for name, steps in cases.items():
+            rows = prefix_rows(p, steps, device=str(device), mates=2 if "37" in name else 0)
+            if not same_rows(rows[896 - steps[0][0]:], whole[896:]):
+                failures.append((str(dtype), name))
+        p = prompt(1024, 4, 1, 256, dtype, seed=21)
+        if not same_rows(dense_rows(p, device=str(device))[896:],
+                         prefix_rows(p, hit(1024, 896), device=str(device))):
+            failures.append((str(dtype), "head 256: dense prompt vs prefix after a hit of 896"))
+    assert not failures, f"rows differ between slicings: {failures}"
+
+
 CHECKS: List[Callable[[torch.device], None]] = [
     check_formulation, check_reference_grid, check_large_magnitudes, check_gqa_window_alibi,
     check_unattended_slots, check_fp8_cache, check_decode_batch_invariance,
+    check_prefix_slicing_invariance,
     check_cuda_no_sync_and_budget,
 ]
 

@@ -3,9 +3,11 @@ formulation; tiles under the budget; clear errors."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from helpers.reference import TOLERANCE, attend, rel_error
+from helpers.reference import TOLERANCE, attend, cpu_half_gemm, rel_error
 from tools.memtrack import PeakMemory
 
 from vllm_bi100_patch.kernels import _common, dense
@@ -81,3 +83,87 @@ def test_clear_errors(call, match):
     q, k, v, _ = _inputs(4, 2, 16, torch.float32, [12])
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
+
+
+# --- issue 21, items 4-6: the dense kernel's range and tile choice -------------------------
+
+def _gpu_mode(monkeypatch):
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+
+
+def test_large_scores_at_head_256_are_not_nan_in_float16(monkeypatch):
+    """q = k = 24 in every component of a 256-wide head: q.k = 147,456 is past float16
+    before the scale, 9,216 after it; every score is the same, so the answer is the
+    values' mean (1), as in float32 mode (item 4: the GEMM used to round q.k unscaled)."""
+    if not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    _gpu_mode(monkeypatch)
+    n = 64
+    q = torch.full((n, 4, 256), 24.0, dtype=torch.float16)
+    k = torch.full((n, 1, 256), 24.0, dtype=torch.float16)
+    v = torch.ones(n, 1, 256, dtype=torch.float16)
+    out = dense.varlen_attention(q, k, v, [n], 256 ** -0.5)
+    assert torch.equal(out, torch.ones_like(out))
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "fp32")
+    assert torch.equal(dense.varlen_attention(q, k, v, [n], 256 ** -0.5), out)
+
+
+def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(monkeypatch):
+    """q = 64, k = -64 at head 256: every scaled score is -65,536, -inf in float16; under a
+    1 MiB budget the 600 keys span several key groups, so no row's running max is ever
+    finite and its weights are all 0: the row is recomputed in float32 (it was 0/0, NaN)."""
+    if not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    _gpu_mode(monkeypatch)
+    n = 600
+    q = torch.full((n, 4, 256), 64.0, dtype=torch.float16)
+    k = torch.full((n, 1, 256), -64.0, dtype=torch.float16)
+    v = torch.ones(n, 1, 256, dtype=torch.float16)
+    out = dense.varlen_attention(q, k, v, [n], 256 ** -0.5, budget_mb=1)
+    assert torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("spread", [0.2, 1.5])
+def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
+    """Values at 65,504 (the largest float16): every output is 65,504; float16 weights
+    normalised by an unrounded sum made some inf (item 5: 8 of these 2,000 rows at 1.5).
+    Near-uniform weights (``spread`` 0.2: ~500 keys of equal weight) put the weighted sums
+    past float16 even at ``FP16_PV_ALPHA``: those rows are recomputed in float32; peaked
+    weights (1.5) fit, and the rounded quotient is clamped to the finite range."""
+    if not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    _gpu_mode(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
+    g = torch.Generator().manual_seed(5)
+    lens = [500, 500, 500, 500]
+    q = (torch.randn(2000, 8, 128, generator=g) * spread).half()
+    k = torch.randn(2000, 2, 128, generator=g).half()
+    v = torch.full((2000, 2, 128), 65504.0, dtype=torch.float16)
+    out = dense.varlen_attention(q, k, v, lens, 128 ** -0.5)
+    assert bool(torch.isfinite(out).all())
+    ref = _reference(q, k, v, lens, 128 ** -0.5)
+    assert rel_error(out, ref) <= TOLERANCE[("native", torch.float16)]
+    reruns = [r for r in caplog.records if "recomputed" in r.getMessage()]
+    assert bool(reruns) == (spread < 1)
+
+
+def test_tile_choice_never_collapses():
+    """The profiling run's shape (8,192 tokens, 16/16 heads of 256, float16, 256 MiB): the
+    GPU compute mode keeps no float32 copy of K/V, so a unit holds far more than one query
+    row (item 6: it used to pick 1); float32 mode picks fewer rows, within the budget."""
+    gpu = dense.tile_rows(8192, 8192, 16, 16, 256, 2, 256 << 20)
+    cpu = dense.tile_rows(8192, 8192, 16, 16, 256, 4, 256 << 20)
+    assert gpu >= 197 and cpu >= 64 and gpu > cpu
+
+
+@pytest.mark.parametrize("compute", ["fp32", "native"])
+def test_peak_within_the_budget_in_both_modes(compute, monkeypatch):
+    """2,048 tokens of 16/16 heads of 256 under 64 MiB (float32 mode used to exceed it)."""
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic" if compute == "native" else None)
+    dtype = torch.bfloat16
+    q, k, v, _ = _inputs(16, 16, 256, dtype, [2048], seed=6)
+    with PeakMemory() as mem:
+        out = dense.varlen_attention(q, k, v, [2048], 1 / 16, budget_mb=64)
+    assert mem.peak_bytes - out.untyped_storage().nbytes() <= 64 << 20

@@ -96,8 +96,10 @@ def test_window_hidden_slots_never_reach_the_output(dtype, poison, path, formula
 
 def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch):
     """q = k = 100 in every component of a 128-wide head: scale * q.k = 113,137 is past the
-    float16 range even when scaled first; the sequence is recomputed with float32 products
-    (a WARNING names it) and the answer is the exact uniform mean (the values, 1,000)."""
+    float16 range even when scaled first; those rows are recomputed with float32 products
+    (a WARNING says so) and their answer is the exact uniform mean (the values, 1,000).  The
+    rows of the other sequence (q = k = 1) are not recomputed: they are the rows it gets
+    alone (the re-run is decided per row)."""
     monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
     monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
     monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
@@ -111,9 +113,14 @@ def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch
     args = (*both, kc, vc, bt, torch.tensor([0, 4, 8], dtype=torch.int32),
             torch.tensor([68, 68], dtype=torch.int32), torch.tensor([64, 64], dtype=torch.int32))
     out = paged_prefix(*args)
-    assert torch.equal(out.float(), torch.full(out.shape, 1000.0))
+    assert torch.equal(out[4:].float(), torch.full(out[4:].shape, 1000.0))
     warned = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
-    assert len(warned) == 1 and "sequence 1 overflowed" in warned[0], warned
+    assert len(warned) == 1 and "4 rows past the range" in warned[0], warned
+    caplog.clear()
+    alone = paged_prefix(*quiet)
+    assert torch.equal(out[:4], alone) and not caplog.records
+    assert rel_error(alone, ref_prefix(*quiet, 128 ** -0.5)) <= TOLERANCE[("native",
+                                                                            torch.float16)]
 
 
 def _needs_half_gemm():

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _prefix_plan, paged_prefix, prefix
-from vllm_bi100_patch.kernels._prefix_plan import PlanShape
+from vllm_bi100_patch.kernels import _attend, _common, _prefix_plan, paged_prefix, prefix
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -77,7 +76,9 @@ def test_sliding_window_and_alibi(window, alibi, path):
     args = _case(torch.float32, 64, 4, 2, 8, [0, 30, 50], [12, 9, 25], seed=window)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     out = _run(args, sliding_window=window, alibi_slopes=slopes)
-    _check(out, _ref(args, 0.125, sliding_window=window, alibi_slopes=slopes), torch.float32)
+    # With ALiBi the window is ignored, as vLLM's own ALiBi kernels do (prefix.alibi_window).
+    ref = _ref(args, 0.125, sliding_window=None if alibi else window, alibi_slopes=slopes)
+    _check(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
@@ -90,11 +91,15 @@ def test_fp8_context(kv_cache_dtype, path):
     torch.testing.assert_close(out.double(), ref, atol=6e-2, rtol=0)
 
 
-def test_small_budget_tiles_queries_and_keys(formulation):
-    # 1 MiB forces several query chunks and key tiles; the answer must not change.
+def test_small_budget_tiles_queries_and_keys(formulation, monkeypatch):
+    # 1 MiB forces several query chunks and key groups; the answer must not change.
+    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
     args = _case(torch.float32, 64, 8, 2, 16, [240, 0, 33], [160, 40, 1], seed=5)
-    plan = prefix.prefix_plan(160, 240, PlanShape(8, 2, 64, 16, 4, 4, 4), 1 << 20)
-    assert plan.q_chunk < 160 and plan.k_tile < 400 and plan.peak_bytes <= 1 << 20
+    work = _common.work_dtype(torch.float32, torch.device("cpu"))
+    til = _prefix_plan.tiling(8, 2, 64, 16, work, 1 << 20)
+    assert til.group_keys < 400
+    assert _prefix_plan.chunk_tokens(160, til.group_keys, til.group_keys, 8, 2, 64, til,
+                                     1 << 20, False) < 160
     ref = _ref(args, 0.1, sliding_window=300)
     _check(_run(args, scale=0.1, sliding_window=300, budget_mb=1), ref, torch.float32)
     _check(_run(args, scale=0.1, sliding_window=300, budget_mb=256), ref, torch.float32)
@@ -102,13 +107,13 @@ def test_small_budget_tiles_queries_and_keys(formulation):
 
 def test_budget_default_is_256_mib_and_the_environment_is_not_read(monkeypatch):
     seen = []
-    real = prefix.prefix_plan
+    real = prefix.attend
 
     def spy(*a, **kw):
-        seen.append(a[3])
+        seen.append(a[2])
         return real(*a, **kw)
 
-    monkeypatch.setattr(prefix, "prefix_plan", spy)
+    monkeypatch.setattr(prefix, "attend", spy)
     monkeypatch.setenv("VLLM_BI100_PREFIX_BUDGET_MB", "3")  # the shim's setting, not the kernel's
     args = _case(torch.float32, 64, 4, 2, 16, [20], [5])
     _run(args)
@@ -159,38 +164,42 @@ def test_window_one_and_empty_context(dtype, path):
 @pytest.mark.skipif(_prefix_plan._TORCH_RELEASE < _prefix_plan.SDPA_MIN_TORCH,
                     reason="the SDPA path's memory model holds for the verified torch only")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_sdpa_path_chosen_and_accounted(kv_cache_dtype, monkeypatch):
+def test_sdpa_path_chosen_per_tile_and_accounted(kv_cache_dtype, monkeypatch):
+    """The SDPA path takes the rows whose absolute query tile ends where its K/V fit the
+    budget (``sdpa_max_end``), within the estimate; the rest, and ALiBi, take the tiled path."""
     if kv_cache_dtype != "auto" and not fp8_available(kv_cache_dtype):
         pytest.skip("torch has no float8 dtypes")
-    plans = []
-    real = prefix.prefix_plan
+    rows = {"sdpa": 0, "tiled": 0}
+    real_sdpa, real_run = _attend.sdpa_rows, _attend.TiledRunner.run
 
-    def spy(*a, **kw):
-        plans.append(real(*a, **kw))
-        return plans[-1]
+    def sdpa_spy(inp, seq, n, out):
+        rows["sdpa"] += n
+        return real_sdpa(inp, seq, n, out)
 
-    monkeypatch.setattr(prefix, "prefix_plan", spy)
-    args = _case(torch.bfloat16, 128, 8, 2, 16, [2400], [128], seed=1,
+    def run_spy(self, seq, out, i0=0, i1=-1, dest=None):
+        rows["tiled"] += (seq.q_len if i1 < 0 else i1) - i0
+        return real_run(self, seq, out, i0, i1, dest)
+
+    monkeypatch.setattr(_attend, "sdpa_rows", sdpa_spy)
+    monkeypatch.setattr(_attend.TiledRunner, "run", run_spy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # SDPA scratch is per thread
+    args = _case(torch.bfloat16, 128, 8, 2, 16, [2400], [600], seed=1,
                  kv_cache_dtype=kv_cache_dtype)
     kw = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype,
                                                "k_scale": 0.5, "v_scale": 2.0}
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # SDPA scratch is per thread
-    small = 6 if kv_cache_dtype == "auto" else 5  # fp8: the raw blocks are half the size
-    for budget_mb in (16, small):
-        with PeakMemory() as mem:
-            out = _run(args, budget_mb=budget_mb, **kw)
-        plan = plans[-1]
-        assert plan.sdpa and plan.peak_bytes <= budget_mb << 20, plan
-        extra = mem.peak_bytes - out.untyped_storage().nbytes()
-        assert extra <= plan.peak_bytes, (budget_mb, extra, plan)
-    # small: K/V still fit but the mask of all 128 queries with SDPA's scratch does not.
-    assert plans[-1].q_chunk < 128
-    # 2 MiB: the gathered K/V (2.4 MiB) do not fit: the tiled path.
-    _run(args, budget_mb=2, **kw)
-    assert not plans[-1].sdpa
-    # ALiBi: always tiled.
-    _run(args, alibi_slopes=torch.rand(8), **kw)
-    assert not plans[-1].sdpa
+    end = _prefix_plan.sdpa_max_end(8, 2, 128, 2, 2, 9 << 20)
+    assert 2400 < end < 3000  # the tiles ending at 2560 and 2816 fit 9 MiB, 3072 not
+    with PeakMemory() as mem:
+        out = _run(args, budget_mb=9, **kw)
+    assert rows == {"sdpa": end - 2400, "tiled": 3000 - end}
+    extra = mem.peak_bytes - out.untyped_storage().nbytes()
+    assert extra <= 9 << 20
+    rows.update(sdpa=0, tiled=0)
+    _run(args, budget_mb=2, **kw)  # the gathered K/V (2.9 MiB) do not fit: tiled
+    assert rows == {"sdpa": 0, "tiled": 600}
+    rows.update(sdpa=0, tiled=0)
+    _run(args, alibi_slopes=torch.rand(8), **kw)  # ALiBi: always tiled
+    assert rows == {"sdpa": 0, "tiled": 600}
 
 
 def test_sdpa_path_only_on_cpu_for_fast_dtypes_and_verified_torch(monkeypatch):
@@ -271,7 +280,9 @@ def _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, 
     args = _case(dtype, 32, kv_heads * group, kv_heads, block_size, contexts, news, seed=seed)
     slopes = torch.rand(kv_heads * group) if use_alibi else None
     out = _run(args, sliding_window=window, alibi_slopes=slopes)
-    _check(out, _ref(args, 32 ** -0.5, sliding_window=window, alibi_slopes=slopes), dtype)
+    ref = _ref(args, 32 ** -0.5, sliding_window=None if use_alibi else window,
+               alibi_slopes=slopes)
+    _check(out, ref, dtype)
 
 
 def test_decreasing_query_start_loc_is_named_before_seq_lens():

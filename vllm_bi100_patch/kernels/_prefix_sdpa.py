@@ -1,12 +1,18 @@
-"""The SDPA path of ``paged_prefix`` (CPU only, see ``_prefix_plan.sdpa_path_ok``).
+"""The SDPA path of the prefix and dense kernels (CPU only, see
+``_prefix_plan.sdpa_path_ok``).
 
-The sequence's context K/V are gathered from the paged cache into one contiguous
-``[kv_heads, context + new, head_size]`` buffer (fp8 caches dequantised into the query's
-dtype), followed by the new tokens' K/V, and ``scaled_dot_product_attention`` runs once
-per query chunk with ``enable_gqa=True`` (or K/V repeated per query head on a torch
-without it) and a boolean causal/sliding-window mask ``[chunk, keys]`` (query ``i`` at
-position ``context + i`` sees keys ``<= context + i`` and ``> pos - window``; a query
-always sees itself, so no row is fully masked).  Only the first ``context`` cached slots
+A sequence's keys and values are gathered into one contiguous ``[kv_heads, positions,
+head_size]`` buffer in the query's dtype (the cached context from the paged cache, fp8
+caches dequantised; then the new tokens, rounded through fp8 like the cache write when the
+cache is fp8; zeros past the sequence's end).  Queries run in absolute tiles of
+``SDPA_QUERY_TILE`` positions: one ``scaled_dot_product_attention`` per tile (``enable_gqa``),
+its rows padded with zeros where the call has no query, its keys ``[lo, tile end)`` with
+``lo`` 0 (or the window's start for the tile's first position) and a boolean
+causal/sliding-window mask.  So every call that contains a position gives the flash kernel
+the same shapes for it (its blocking depends on them) and the same operands: the position's
+output row is the same however the prompt was sliced (the query tile is a view of the
+caller's rows or a padded copy, the mask a column slice: the same numbers, and the tests
+check that the verified torch gives the same rows).  Only the first ``context`` cached slots
 are copied: nothing past a sequence's end is read into the buffer.
 """
 
@@ -18,62 +24,84 @@ import torch
 import torch.nn.functional as F
 
 from ._common import CacheSpec, ScaleLike, ceil_div, to_float
-from ._prefix_plan import _TORCH_RELEASE, PrefixInputs, SeqSpan
+from ._prefix_plan import SDPA_QUERY_TILE, PrefixInputs, SeqSpan
+from ._prefix_stage import new_tokens
 
-__all__ = ["sdpa_sequence"]
-
-#: torch < 2.5 has no ``enable_gqa``: K/V heads are then repeated for each query head.
-_HAS_GQA = _TORCH_RELEASE >= (2, 5)
+__all__ = ["sdpa_rows"]
 
 
-def sdpa_sequence(inp: PrefixInputs, seq: SeqSpan, q_chunk: int, out: torch.Tensor) -> None:
-    """Attend one sequence; writes ``out[seq.start:seq.start + seq.q_len]``."""
-    spec, query = inp.spec, inp.query
-    kv, d, dtype = spec.num_kv_heads, spec.head_size, query.dtype
-    start, q_len, ctx = seq.start, seq.q_len, seq.ctx
-    assert isinstance(inp.q_scale, float)
-    tokens = ctx + q_len
+def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> None:
+    """Attend the sequence's first ``rows`` query rows; writes their rows of ``out``."""
+    query, qt = inp.query, SDPA_QUERY_TILE
+    kv, d, dtype = inp.kv_heads, inp.head_size, query.dtype
+    start, ctx = seq.start, seq.ctx
+    assert isinstance(inp.q_scale, float) and seq.causal
+    t0, t1 = ctx // qt, ceil_div(ctx + rows, qt)
+    tokens = t1 * qt
     keys = torch.empty((kv, tokens, d), dtype=dtype, device=query.device)
     values = torch.empty_like(keys)
-    keys[:, ctx:].copy_(inp.key[start:start + q_len].transpose(0, 1))
-    values[:, ctx:].copy_(inp.value[start:start + q_len].transpose(0, 1))
     if ctx > 0:
-        ids = seq.table[:ceil_div(ctx, spec.block_size)]
-        _gather_context_keys(keys, inp.key_cache, ids, ctx, spec, inp.k_mult)
-        _gather_context_values(values, inp.value_cache, ids, ctx, spec, inp.v_mult)
-    if not _HAS_GQA and inp.group > 1:
-        keys = keys.repeat_interleave(inp.group, dim=0)
-        values = values.repeat_interleave(inp.group, dim=0)
+        assert inp.spec is not None and seq.table is not None
+        ids = seq.table[:ceil_div(ctx, inp.spec.block_size)]
+        _gather_context_keys(keys, inp.key_cache, ids, ctx, inp.spec, inp.k_mult)
+        _gather_context_values(values, inp.value_cache, ids, ctx, inp.spec, inp.v_mult)
+    end = min(seq.end, tokens)
+    k_new, v_new = new_tokens(inp, seq, ctx, end, dtype)
+    keys[:, ctx:end].copy_(k_new.transpose(0, 1))
+    values[:, ctx:end].copy_(v_new.transpose(0, 1))
+    keys[:, end:].zero_()
+    values[:, end:].zero_()
+    del k_new, v_new
     window = inp.window
-    for c0 in range(0, q_len, q_chunk):
-        c1 = min(q_len, c0 + q_chunk)
-        # Keys past the chunk's last query are never visible; before the window neither.
-        k_hi = ctx + c1
-        k_lo = 0 if window is None else max(0, ctx + c0 - window + 1)
-        # mask[i, j]: query at ctx + c0 + i sees key at k_lo + j iff
-        #   k_lo + j <= ctx + c0 + i  and  k_lo + j > ctx + c0 + i - window.
-        diag = ctx + c0 - k_lo
-        mask = torch.ones((c1 - c0, k_hi - k_lo), dtype=torch.bool, device=query.device)
-        mask.tril_(diag)
-        if window is not None:
-            mask.triu_(diag - window + 1)
-        q = query[start + c0:start + c1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        extra = {"enable_gqa": True} if _HAS_GQA else {}
+    if window is not None and ctx - window + 1 > 0:
+        # Slots before the first query's window: no query of the call sees them; zeroed so
+        # that nothing read there (a NaN) reaches the scores or the weighted sums (a mask
+        # adds -inf, and -inf + NaN is NaN).
+        keys[:, :ctx - window + 1].zero_()
+        values[:, :ctx - window + 1].zero_()
+    heads = query.shape[1]
+    last = (t1 - 1) * qt
+    # Without a window every tile's mask is a column slice of the last tile's: row i
+    # (position p0 + i) sees key j iff j <= p0 + i.
+    full = None if window is not None else torch.ones(
+        (qt, last + qt), dtype=torch.bool, device=query.device).tril_(last)
+    pad: Optional[torch.Tensor] = None
+    for t in range(t0, t1):
+        p0 = t * qt
+        r0, r1 = max(p0, ctx) - ctx, min(p0 + qt, ctx + rows) - ctx  # the call's rows
+        if r1 - r0 == qt:
+            q = query[start + r0:start + r1].transpose(0, 1).unsqueeze(0)
+        else:  # zeros for the positions this call has no query for
+            if pad is None:
+                pad = torch.zeros((1, heads, qt, d), dtype=dtype, device=query.device)
+            else:
+                pad.zero_()
+            q = pad
+            q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(
+                query[start + r0:start + r1].transpose(0, 1))
+        lo = 0 if window is None else max(0, p0 - window + 1)
+        if window is None:
+            assert full is not None
+            mask = full[:, last - p0:]
+        else:  # row i sees key lo + j iff p0 - lo - window + 1 <= j - i <= p0 - lo
+            mask = torch.ones((qt, p0 + qt - lo), dtype=torch.bool, device=query.device)
+            mask.tril_(p0 - lo).triu_(p0 - lo - window + 1)
         res = F.scaled_dot_product_attention(
-            q, keys[:, k_lo:k_hi].unsqueeze(0), values[:, k_lo:k_hi].unsqueeze(0),
-            attn_mask=mask, scale=inp.q_scale, **extra)
-        del mask
-        out[start + c0:start + c1] = res[0].transpose(0, 1)
+            q, keys[:, lo:p0 + qt].unsqueeze(0), values[:, lo:p0 + qt].unsqueeze(0),
+            attn_mask=mask, scale=inp.q_scale, enable_gqa=True)
+        out[start + r0:start + r1] = res[0, :, ctx + r0 - p0:ctx + r1 - p0].transpose(0, 1)
 
 
-def _gather_context_keys(dest: torch.Tensor, key_cache: torch.Tensor, ids: torch.Tensor,
-                         ctx: int, spec: CacheSpec, mult: Optional[ScaleLike]) -> None:
+def _gather_context_keys(dest: torch.Tensor, key_cache: Optional[torch.Tensor],
+                         ids: torch.Tensor, ctx: int, spec: CacheSpec,
+                         mult: Optional[ScaleLike]) -> None:
     """Copy the first ``ctx`` cached keys into ``dest[:, :ctx]`` (``[kv, tokens, D]``).
 
     Each ``x`` group is 16 bytes, so the ``[D // x, block_size]`` transpose moves them as
     complex128 units (bit-exact, 16-byte inner loop) straight into ``dest`` when no
     dequantisation is needed; fp8 caches are staged, converted and scaled.
     """
+    assert key_cache is not None
     kv, bs, chunks = spec.num_kv_heads, spec.block_size, spec.head_size // spec.x
     n = ids.shape[0]
     raw = key_cache.index_select(0, ids).view(torch.complex128).view(n, kv, chunks, bs)
@@ -91,10 +119,12 @@ def _gather_context_keys(dest: torch.Tensor, key_cache: torch.Tensor, ids: torch
         dest[:, :ctx].mul_(mult)
 
 
-def _gather_context_values(dest: torch.Tensor, value_cache: torch.Tensor, ids: torch.Tensor,
-                           ctx: int, spec: CacheSpec, mult: Optional[ScaleLike]) -> None:
+def _gather_context_values(dest: torch.Tensor, value_cache: Optional[torch.Tensor],
+                           ids: torch.Tensor, ctx: int, spec: CacheSpec,
+                           mult: Optional[ScaleLike]) -> None:
     """Copy the first ``ctx`` cached values into ``dest[:, :ctx]`` (a ``[D, bs]`` transpose
     per block, converting fp8 on the way) and apply the fp8 scale."""
+    assert value_cache is not None
     raw = to_float(value_cache.index_select(0, ids), spec)  # [n, kv, D, bs]
     _copy_blocks(dest, raw.permute(1, 0, 3, 2), ctx, spec.block_size)
     del raw

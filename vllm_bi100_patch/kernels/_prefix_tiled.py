@@ -1,198 +1,365 @@
-"""The tiled path of ``paged_prefix``: plain matrix products and elementwise ops only.
+"""The tiled path of the prefix and dense kernels: plain matrix products and elementwise ops.
 
-This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).
-Queries go in chunks of ``q_chunk`` tokens, keys in tiles of ``k_tile`` tokens (context
-tiles start block-aligned and are gathered from the paged cache; then the new tokens'
-own K/V), merged with the shared online softmax (``_softmax``) so that the peak extra
-memory stays under the budget whatever the context length.
+This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).  A
+"unit" is a chunk of one sequence's query rows (padded to the query tile) against the keys
+of one absolute key group that those rows need (``_prefix_plan``): one ``Q.K^T`` writes the
+scores (the softmax scale is its ``alpha``; with the ``"self"`` shift the staged query and
+key carry ``-q.k_self`` and a one, so the product is already shifted), ALiBi and the masks
+are applied where needed (the ``"max"`` shift subtracts the running max), ``exp`` runs in
+place, and one ``P.V`` gives the weighted sums and, through the staged values' ones column,
+the row sums.  Groups merge in absolute order (``"max"``: with the running-max correction;
+``"self"``: every group is on the same scale, they add up).
 
-Per tile, the scores make these passes: the ``Q.K^T`` GEMM writes them (the softmax scale
-is its ``alpha``), the row max reads them, the shift and ``exp`` run in place, and the
-``P.V`` GEMM reads the probabilities.  The row sums come out of that same GEMM: every
-value tile carries a ones column (``_prefix_plan.value_columns``).  Buffers for the query,
-K and V tiles, scores and the softmax state are allocated once per sequence and reused by
-every chunk and tile.  The causal/window mask is only built for tiles that need one, and
-key tiles a chunk cannot see (outside its sliding window) are skipped.  Only the first
-``context`` cached slots are read into a tile's visible part: slots past the end of the
-cache never reach the output, nor do slots before the sliding window's start (zeroed in
-the tile that straddles it).  In float16 no ``P.V`` product can overflow (value tiles are
-scaled by a power of two), and a sequence whose scores overflowed is flagged for a float32
-recompute (``TiledSequence.overflow``).
+Float32 work (CPU): every chunk lies in one absolute query block of ``key_tile`` positions
+and its keys are exactly that block's range, so each row's ``P.V`` has the same reduction
+length in every slicing (float32 GEMMs change their summation with it).  Half-precision
+work (GPU): a chunk's keys run to its last row's key tile; a row's extra keys are masked
+(weights exactly 0).
+
+Per row, nothing depends on the slicing: key ranges are aligned on absolute key tiles,
+masked keys weigh exactly 0, a fully masked group adds exactly 0 and leaves its
+correction at 1 (or 0 before anything was seen), and a position's operands are staged
+identically whether cached or new (``_prefix_stage``).  What a matrix product's other rows
+do to a row: nothing, on CPU (``tests/kernels/test_invariance.py``); a GPU library that
+picks its algorithm by shape might (``tests/kernels/device_checks.py`` shows it).
+
+Range (``docs/bi100-limits.md``): float16 ``P.V`` runs at ``FP16_PV_ALPHA`` scale (its
+``alpha``; the weights are at most 1); a query whose output row is not finite (its float16 scores
+overflowed, its ``"self"``-shifted weights passed the dtype's range, or a visible input is
+NaN/inf) is recomputed alone, in float32 with the ``"max"`` shift (``recompute``): a
+per-row decision, so it does not depend on the slicing either.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import accumulate_bmm, ceil_div, pow2_at_least, work_dtype
-from ._gather import gather_keys, gather_values
-from ._prefix_plan import PrefixInputs, PrefixPlan, SeqSpan, value_columns
-from ._softmax import OnlineSoftmax
+from .._log import log
+from ._common import ceil_div
+from ._prefix_plan import PrefixInputs, SeqSpan, Tiling, chunk_tokens, tiling, value_columns
+from ._prefix_stage import key_parts, stage_keys, stage_values
 
-__all__ = ["TiledSequence"]
+__all__ = ["TiledRunner"]
 
 
-class TiledSequence:
-    """One sequence on the tiled path, with its buffers sized by the plan."""
+class TiledRunner:
+    """The tiled path for one call (buffers reused across units and sequences)."""
 
-    def __init__(self, inp: PrefixInputs, seq: SeqSpan, plan: PrefixPlan,
-                 dtype: Optional[torch.dtype] = None) -> None:
-        spec, device = inp.spec, inp.query.device
-        self.inp, self.seq = inp, seq
-        self.q_chunk = min(plan.q_chunk, max(1, seq.q_len))
-        self.k_tile = plan.k_tile
-        self.dtype = dtype or work_dtype(inp.query.dtype, device)
-        kv, d = spec.num_kv_heads, spec.head_size
-        self.cols = value_columns(d, torch.empty((), dtype=self.dtype).element_size())
-        rows = inp.group * self.q_chunk
-        self._q = torch.empty(kv * rows * d, dtype=self.dtype, device=device)
-        self._k = torch.empty(kv * self.k_tile * d, dtype=self.dtype, device=device)
-        self._v = torch.empty(kv * self.k_tile * self.cols, dtype=self.dtype, device=device)
-        self._s = torch.empty(kv * rows * self.k_tile, dtype=self.dtype, device=device)
-        self._state = OnlineSoftmax((kv, rows), self.cols, device, separate_sum=False)
-        sum_column = torch.zeros(self.cols - d, dtype=self.dtype, device=device)
-        sum_column[0] = 1
-        self._sum_column = sum_column
-        # A float scale is the GEMM's alpha (applied before the scores' one rounding); a
-        # tensor scale multiplies the query instead.
-        self._scale_in_gemm = isinstance(inp.q_scale, float)
-        # float16 (range 65,504): each value tile is divided by a power of two >= its largest
-        # magnitude, and the P.V columns multiplied back in float32 (``_value_scale``), so
-        # that no P.V sum can overflow; scores cannot be bounded for free, so a sequence
-        # whose float16 scores overflowed is flagged (``overflow``: a running max that is not
-        # finite, where every query sees at least itself) and recomputed by the caller.
-        self._half_range = self.dtype == torch.float16
-        self.overflow: Optional[torch.Tensor] = None
-        if self._half_range:
-            self.overflow = torch.zeros((), dtype=torch.bool, device=device)
-            self._col_scale = torch.ones(1, 1, self.cols, dtype=torch.float32, device=device)
+    def __init__(self, inp: PrefixInputs, til: Tiling, budget: int) -> None:
+        self.inp, self.til, self.budget = inp, til, budget
+        self.kv, self.group, self.d = inp.kv_heads, inp.group, inp.head_size
+        self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
+        self.device = inp.query.device
+        self._bufs: Dict[str, torch.Tensor] = {}
+        #: (sequence, first row, last row, float32 sum of each row's weighted sums, row sums
+        #: and clamped output) per unit that can overflow: finite iff the row's sums are and
+        #: its weights are not all 0 (or huge: a spurious re-run).
+        self.checks: List[Tuple[SeqSpan, int, int, torch.Tensor]] = []
+        self.check = til.work != torch.float32 or til.shift == "self"
 
-    def run(self, out: torch.Tensor) -> None:
-        """Attend every query of the sequence; writes its rows of ``out``."""
-        for c0 in range(0, self.seq.q_len, self.q_chunk):
-            self._chunk(c0, min(self.seq.q_len, c0 + self.q_chunk), out)
+    def _buf(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
 
-    def _chunk(self, c0: int, c1: int, out: torch.Tensor) -> None:
-        inp, seq = self.inp, self.seq
-        spec = inp.spec
-        kv, group, d, bs = spec.num_kv_heads, inp.group, spec.head_size, spec.block_size
-        n_q = c1 - c0
-        q = self._q[:kv * group * n_q * d].view(kv, group, n_q, d)
-        q.copy_(inp.query[seq.start + c0:seq.start + c1].view(n_q, kv, group, d)
-                .permute(1, 2, 0, 3))
-        if not self._scale_in_gemm:
+    def key_range(self, seq: SeqSpan, c0: int, c1: int) -> Tuple[int, int]:
+        """The absolute, key-tile-aligned key range of query rows ``[c0, c1)``."""
+        kt, window = self.til.key_tile, self.inp.window
+        if not seq.causal:
+            return 0, ceil_div(seq.new_keys, kt) * kt
+        first = seq.ctx + c0
+        if self.til.per_block:  # the rows' query block, whatever part of it is here
+            first = first // kt * kt
+        lo = 0 if window is None else max(0, first - window + 1) // kt * kt
+        return lo, ceil_div(seq.ctx + c1, kt) * kt
+
+    def _chunks(self, seq: SeqSpan, i0: int, i1: int, tokens: int) -> List[Tuple[int, int]]:
+        """Row chunks of at most ``tokens`` rows (float32: never across a query block)."""
+        kt = self.til.key_tile
+        cuts = [i0, i1]
+        if self.til.per_block and seq.causal:
+            cuts += range((seq.ctx + i0) // kt * kt + kt - seq.ctx, i1, kt)
+        cuts = sorted(set(cuts))
+        return [(c, min(b, c + tokens)) for a, b in zip(cuts, cuts[1:])
+                for c in range(a, b, tokens)]
+
+    def run(self, seq: SeqSpan, out: torch.Tensor, i0: int = 0, i1: int = -1,
+            dest: Optional[torch.Tensor] = None) -> None:
+        """Attend query rows ``[i0, i1)`` of ``seq`` (all by default) into their rows of
+        ``out`` (or into ``dest[0:i1 - i0]``)."""
+        til, inp = self.til, self.inp
+        i1 = seq.q_len if i1 < 0 else i1
+        lo, hi = self.key_range(seq, i0, i1)
+        ks = til.group_keys
+        groups = list(range(lo // ks, (hi - 1) // ks + 1))
+        width = min(hi - lo, ks)
+        tokens = chunk_tokens(i1 - i0, width, width, self.kv * self.group, self.kv, self.d,
+                              til, self.budget, inp.slopes is not None,
+                              gathered=seq.table is not None and seq.ctx > lo)
+        chunks = self._chunks(seq, i0, i1, tokens)
+        hidden = None  # value slots before every row's window
+        if inp.window is not None and seq.causal:
+            hidden = seq.ctx + i0 - inp.window + 1
+        acc_all = self.kv * self.group * (i1 - i0 + til.query_tile) * (self.cols + 1) * 4
+        single = len(groups) == 1
+        if single or acc_all > self.budget // 4:
+            # Chunk by chunk: each stages the groups it needs (all chunks share a single one).
+            staged: Optional[_Staged] = None
+            for c0, c1 in chunks:
+                state = _State(self, c1 - c0)
+                for g in groups:
+                    a, b = self._clip(seq, c0, c1, g)
+                    if a >= b:
+                        continue
+                    if staged is None or not staged.a <= a < b <= staged.b:
+                        sa, sb = (lo, hi) if single else (a, b)
+                        staged = self._stage(seq, sa, sb, hidden)
+                    self._unit(seq, c0, c1, a, b, staged, state, single)
+                self._finish(seq, c0, c1, state, out, i0, dest)
+            return
+        # Group by group, every chunk's state kept: each group staged once.
+        states = [_State(self, c1 - c0) for c0, c1 in chunks]
+        for g in groups:
+            staged = self._stage(seq, max(lo, g * ks), min(hi, (g + 1) * ks), hidden)
+            for (c0, c1), state in zip(chunks, states):
+                a, b = self._clip(seq, c0, c1, g)
+                if a < b:
+                    self._unit(seq, c0, c1, a, b, staged, state, single=False)
+        for (c0, c1), state in zip(chunks, states):
+            self._finish(seq, c0, c1, state, out, i0, dest)
+
+    def _clip(self, seq: SeqSpan, c0: int, c1: int, g: int) -> Tuple[int, int]:
+        lo, hi = self.key_range(seq, c0, c1)
+        ks = self.til.group_keys
+        return max(lo, g * ks), min(hi, (g + 1) * ks)
+
+    def _stage(self, seq: SeqSpan, a: int, b: int, hidden: Optional[int]) -> "_Staged":
+        til, inp = self.til, self.inp
+        values = self._buf("v", (self.kv, b - a, self.cols), til.work)
+        stage_values(inp, seq, a, b, values, hidden)
+        if til.split_keys:
+            return _Staged(a, b, key_parts(inp, seq, a, b, til.work), values)
+        width = self.cols if til.shift == "self" else self.d
+        keys = self._buf("k", (self.kv, b - a, width), til.work)
+        stage_keys(inp, seq, a, b, keys, augmented=til.shift == "self")
+        return _Staged(a, b, [(a, keys)], values)
+
+    def _queries(self, seq: SeqSpan, c0: int, c1: int, tokens: int) -> torch.Tensor:
+        """The chunk's queries ``[kv, tokens * group, D]`` (rows token-major, padded with
+        zeros); for the ``"self"`` shift with more columns: ``-q.k_self`` split into a high
+        and a low part in the work dtype (then zeros), against the keys' two columns of
+        ones."""
+        inp, til = self.inp, self.til
+        kv, group, d = self.kv, self.group, self.d
+        n = c1 - c0
+        rows = inp.query[seq.start + c0:seq.start + c1]
+        augmented = til.shift == "self"
+        if (kv == 1 and n == tokens and rows.dtype == til.work and rows.is_contiguous()
+                and isinstance(inp.q_scale, float) and not augmented):
+            return rows.view(1, n * group, d)
+        width = self.cols if augmented else d
+        q = self._buf("q", (kv, tokens * group, width), til.work)
+        q4 = q.view(kv, tokens, group, width)
+        q4[:, :n, :, :d].copy_(rows.view(n, kv, group, d).permute(1, 0, 2, 3))
+        if n < tokens:
+            q4[:, n:].zero_()
+        if augmented:  # -q.k_self as two work-dtype columns (high and low part)
+            own = inp.key[seq.key_start + c0:seq.key_start + c1].view(n, kv, 1, d)
+            # Products in float32 (exact for half inputs), as the GEMM forms them.
+            dots = torch.mul(rows.view(n, kv, group, d).float(), own).sum(-1)
+            high = dots.neg_().to(til.work)
+            q4[:, :n, :, d].copy_(high.permute(1, 0, 2))
+            q4[:, :n, :, d + 1].copy_(dots.sub_(high).permute(1, 0, 2))
+            q4[:, :n, :, d + 2:].zero_()
+        if not isinstance(inp.q_scale, float):
             q.mul_(inp.q_scale)
-        self._state.reset((kv, group * n_q))
-        q_first, q_last = seq.ctx + c0, seq.ctx + c1 - 1  # absolute query positions
-        lo = 0 if inp.window is None else max(0, q_first - inp.window + 1)
-        hi = q_last + 1
-        qm = q.view(kv, group * n_q, d)
-        # Cached context: block-aligned tiles over [lo, ctx).
-        ctx_end = min(seq.ctx, hi)
-        for t0 in range(lo // bs * bs, ctx_end, self.k_tile):
-            t1 = min(t0 + self.k_tile, ctx_end)
-            keys, values = self._context_tile(t0, t1)
-            if t0 < lo:  # slots before the window's start: no query of the chunk sees them
-                values[:, :lo - t0, :d].zero_()
-            self._attend(qm, keys, values, (t0, t1), (q_first, q_last))
-        # New tokens: [max(lo, ctx), hi) from key/value.
-        for t0 in range(max(lo, seq.ctx), hi, self.k_tile):
-            t1 = min(t0 + self.k_tile, hi)
-            keys, values = self._new_tile(t0, t1)
-            self._attend(qm, keys, values, (t0, t1), (q_first, q_last))
-        if self.overflow is not None:
-            self.overflow |= ~self._state.m.isfinite().all()
-        result = self._state.normalised(d).view(kv, group, n_q, d)
-        out[seq.start + c0:seq.start + c1].view(n_q, kv, group, d).copy_(
-            result.permute(2, 0, 1, 3))
+        return q
 
-    def _buffers(self, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K ``[kv, tokens, D]`` and V ``[kv, tokens, cols]`` views of the buffers,
-        the V sum columns set."""
-        kv, d = self.inp.spec.num_kv_heads, self.inp.spec.head_size
-        keys = self._k[:kv * tokens * d].view(kv, tokens, d)
-        values = self._v[:kv * tokens * self.cols].view(kv, tokens, self.cols)
-        values[:, :, d:].copy_(self._sum_column)
-        return keys, values
+    def _unit(self, seq: SeqSpan, c0: int, c1: int, a: int, b: int, staged: "_Staged",
+              state: "_State", single: bool) -> None:
+        til, inp = self.til, self.inp
+        kv, group = self.kv, self.group
+        tokens = state.tokens
+        q = self._queries(seq, c0, c1, tokens)
+        n = b - a
+        alpha = inp.q_scale if isinstance(inp.q_scale, float) else 1.0
+        s = self._buf("s", (kv, tokens * group, n), til.work)
+        covered = a
+        for p0, part in staged.keys:
+            x0, x1 = max(a, p0), min(b, p0 + part.shape[1])
+            if x0 < x1:
+                s[:, :, x0 - a:x1 - a].baddbmm_(q, part[:, x0 - p0:x1 - p0].transpose(1, 2),
+                                                beta=0, alpha=alpha)
+                covered = max(covered, x1)
+        if covered < b:  # past the sequence's end (split keys): no key there
+            s[:, :, covered - a:].fill_(-math.inf)
+        self._bias_and_mask(seq, c0, a, n, tokens, s.view(kv, tokens, group, n))
+        if til.shift == "max":
+            state.shift_max(s, single)
+        probs = s.exp_()
+        v_r = staged.values[:, a - staged.a:b - staged.a]
+        if til.work == torch.float32 and til.shift == "self":
+            state.acc.baddbmm_(probs, v_r)
+        elif til.work == torch.float32:
+            state.merge(torch.bmm(probs, v_r), 1.0, single=False)
+        else:
+            o = self._buf("o", (kv, tokens * group, self.cols), til.work)
+            o.baddbmm_(probs, v_r, beta=0, alpha=til.pv_alpha)
+            state.merge(o, 1 / til.pv_alpha, single)
 
-    def _context_tile(self, t0: int, t1: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _bias_and_mask(self, seq: SeqSpan, c0: int, a: int, n: int, tokens: int,
+                       s4: torch.Tensor) -> None:
+        """ALiBi (float32, rounded once into the scores) and the causal / window / padding
+        masks (-inf), for row ``r`` at position ``ctx + c0 + r`` and key ``a + j``; masks
+        only over the key columns that need one."""
         inp = self.inp
-        spec = inp.spec
-        bs, d = spec.block_size, spec.head_size
-        b0, b1 = t0 // bs, ceil_div(t1, bs)
-        n = b1 - b0
-        ids = self.seq.table[b0:b1]
-        keys, values = self._buffers(n * bs)
-        gather_keys(inp.key_cache, ids, 1, n, spec, self.dtype, out=keys.view(
-            spec.num_kv_heads, 1, n * bs, d))
-        gather_values(inp.value_cache, ids, 1, n, spec, self.dtype,
-                      out=values[:, :, :d].unsqueeze(1))
-        # Tiles start on a block boundary; a partial last block's tail is sliced off.
-        keys, values = keys[:, :t1 - t0], values[:, :t1 - t0]
-        if inp.k_mult is not None:
-            keys.mul_(inp.k_mult)
-        if inp.v_mult is not None:
-            values[:, :, :d].mul_(inp.v_mult)
-        return keys, values
+        device = s4.device
+        if not seq.causal:
+            if seq.new_keys < a + n:
+                s4[..., max(0, seq.new_keys - a):].fill_(-math.inf)
+            return
+        first = seq.ctx + c0
+        if inp.slopes is not None:
+            rel = torch.arange(a, a + n, device=device, dtype=torch.float32).view(1, n) - \
+                torch.arange(first, first + tokens, device=device,
+                             dtype=torch.float32).view(tokens, 1)
+            s4.addcmul_(inp.slopes.view(self.kv, 1, self.group, 1), rel.view(1, tokens, 1, n))
+        d0 = first - a  # key column of row 0's own position: hidden iff column - row > d0
+        start = max(0, d0 + 1)
+        if start < n:
+            hide = torch.ones((tokens, n - start), dtype=torch.bool, device=device)
+            hide.triu_(d0 + 1 - start)
+            s4[..., start:].masked_fill_(hide.view(1, tokens, 1, n - start), -math.inf)
+        if inp.window is not None:  # hidden iff column - row <= first - window - a
+            e0 = first - inp.window - a
+            stop = min(n, e0 + tokens)
+            if stop > 0:
+                hide = torch.ones((tokens, stop), dtype=torch.bool, device=device)
+                hide.tril_(e0)
+                s4[..., :stop].masked_fill_(hide.view(1, tokens, 1, stop), -math.inf)
 
-    def _new_tile(self, t0: int, t1: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        inp, seq = self.inp, self.seq
-        d = inp.spec.head_size
-        a, b = seq.start + t0 - seq.ctx, seq.start + t1 - seq.ctx
-        keys, values = self._buffers(t1 - t0)
-        keys.copy_(inp.key[a:b].transpose(0, 1))
-        values[:, :, :d].copy_(inp.value[a:b].transpose(0, 1))
-        return keys, values
+    def _finish(self, seq: SeqSpan, c0: int, c1: int, state: "_State", out: torch.Tensor,
+                i0: int, dest: Optional[torch.Tensor]) -> None:
+        """Normalised rows into ``out`` (the ones column holds the row sums).  A weighted
+        mean cannot leave its values' range, but the rounded sums can make a float16 one
+        round past 65,504: the result is clamped to the finite range (where the sums
+        themselves overflowed, the row is recomputed: ``recompute``)."""
+        kv, group, d = self.kv, self.group, self.d
+        n = c1 - c0
+        res = state.result().view(kv, state.tokens, group, self.cols)[:, :n]
+        rows = out[seq.start + c0:seq.start + c1] if dest is None else dest[c0 - i0:c1 - i0]
+        target = rows.view(n, kv, group, d).permute(1, 0, 2, 3)
+        torch.div(res[..., :d], res[..., d:d + 1], out=target)
+        if rows.dtype == torch.float16:
+            top = torch.finfo(torch.float16).max
+            rows.clamp_(-top, top)
+        if self.check:  # the sums (inf: overflow) and the clamped rows (NaN: 0/0, every
+            # score -inf, or a NaN input)
+            total = res[..., :d + 1].sum(dim=(0, 2, 3), dtype=torch.float32)
+            total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
+            self.checks.append((seq, c0, c1, total))
 
-    def _attend(self, qm: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                k_span: Tuple[int, int], q_span: Tuple[int, int]) -> None:
-        """Online-softmax merge of key positions ``[k0, k1)`` into the chunk's state."""
-        inp = self.inp
-        kv, rows = qm.shape[0], qm.shape[1]
-        (k0, k1), (q_first, q_last) = k_span, q_span
-        tokens, n_q = k1 - k0, q_last - q_first + 1
-        scores = self._scores(qm, keys, rows, tokens)
-        view = scores.view(kv, inp.group, n_q, tokens)
-        needs_causal = k1 - 1 > q_first
-        needs_window = inp.window is not None and k0 <= q_last - inp.window
-        if inp.slopes is not None or needs_causal or needs_window:
-            device = scores.device
-            k_pos = torch.arange(k0, k1, device=device, dtype=torch.int64)
-            q_pos = torch.arange(q_first, q_last + 1, device=device, dtype=torch.int64)
-            rel = k_pos.view(1, tokens) - q_pos.view(n_q, 1)  # key_pos - query_pos
-            if inp.slopes is not None:
-                # In float32 (distances past 65,504 are inf in float16, rounded in
-                # bfloat16), rounded once into the scores.
-                view.addcmul_(inp.slopes, rel.to(torch.float32).view(1, 1, n_q, tokens))
-            if needs_causal or needs_window:
-                hidden = rel > 0
-                if inp.window is not None:
-                    hidden |= rel <= -inp.window
-                view.masked_fill_(hidden.view(1, 1, n_q, tokens), -math.inf)
-        probs = self._state.step(scores)
-        accumulate_bmm(self._state.acc, probs, values,
-                       self._value_scale(values) if self._half_range else None)
+    def recompute(self, out: torch.Tensor) -> None:
+        """Rows whose weighted sums are not finite or whose weights are all 0 (scores or sums
+        past the work dtype's range, or non-finite inputs) run again, one absolute query
+        tile at a time, in float32 with the ``"max"`` shift; only those rows are replaced.
+        One host read."""
+        if not self.checks:
+            return
+        sums = (self.checks[0][3] if len(self.checks) == 1 else torch.cat(
+            [per_row for *_, per_row in self.checks])).tolist()
+        bad: List[Tuple[SeqSpan, int, int, List[int]]] = []
+        at = 0
+        for seq, c0, c1, _ in self.checks:
+            flagged = [c0 + i for i in range(c1 - c0) if not math.isfinite(sums[at + i])]
+            at += c1 - c0
+            if flagged:
+                bad.append((seq, c0, c1, flagged))
+        self.checks = []
+        if not bad:
+            return
+        inp, qt = self.inp, self.til.query_tile
+        base = tiling(inp.query.shape[1], self.kv, self.d, self.til.key_tile, torch.float32,
+                      self.budget, causal=bad[0][0].causal, alibi=inp.slopes is not None)
+        again = TiledRunner(inp, Tiling(base.key_tile, base.group_keys, qt, torch.float32,
+                                        shift="max"), self.budget)
+        again.check = False
+        tmp = torch.empty((qt,) + tuple(out.shape[1:]), dtype=out.dtype, device=out.device)
+        for seq, c0, c1, flagged in bad:
+            log.warning("prefix/dense attention: %d rows past the range of %s (scores or "
+                        "weighted sums, or non-finite inputs); recomputed in float32",
+                        len(flagged), self.til.work)
+            for t in sorted({(seq.ctx + i) // qt for i in flagged}):
+                r0, r1 = max(c0, t * qt - seq.ctx), min(c1, (t + 1) * qt - seq.ctx)
+                again.run(seq, tmp, r0, r1, dest=tmp)
+                for i in flagged:
+                    if r0 <= i < r1:
+                        out[seq.start + i].copy_(tmp[i - r0])
 
-    def _value_scale(self, values: torch.Tensor) -> torch.Tensor:
-        """Divide the tile's values (in place) by a power of two >= their largest magnitude
-        and >= 1 (exact); returns the float32 column factors that undo it (1 for the sum columns)."""
-        d = self.inp.spec.head_size
-        low, high = torch.aminmax(values[:, :, :d])
-        # >= 1: values below 1 stay as they are (a tile's P.V is then below its token
-        # count), and 1 / step (2**-16 at the least) is exact in float16.
-        step = pow2_at_least(torch.maximum(torch.maximum(-low, high).float(),
-                                           torch.ones((), device=values.device)))
-        values[:, :, :d].mul_(1 / step)
-        self._col_scale[..., :d] = step
-        return self._col_scale
 
-    def _scores(self, qm: torch.Tensor, keys: torch.Tensor, rows: int,
-                tokens: int) -> torch.Tensor:
-        """``scale * Q.K^T`` for the tile, ``[kv, rows, tokens]``, in the scores buffer."""
-        alpha = self.inp.q_scale if self._scale_in_gemm else 1.0
-        assert isinstance(alpha, float)
-        buf = self._s[:qm.shape[0] * rows * tokens].view(qm.shape[0], rows, tokens)
-        return buf.baddbmm_(qm, keys.transpose(1, 2), beta=0, alpha=alpha)
+class _Staged:
+    """Staged keys (parts ``(first position, [kv, n, D])``) and values of ``[a, b)``."""
+
+    def __init__(self, a: int, b: int, keys: List[Tuple[int, torch.Tensor]],
+                 values: torch.Tensor) -> None:
+        self.a, self.b, self.keys, self.values = a, b, keys, values
+
+
+class _State:
+    """One chunk's merge state: the float32 accumulator (with the row-sum column), made
+    when a second group or float32 ``P.V`` needs it, and for the ``"max"`` shift the running
+    max and the pending correction.  A chunk whose keys are one group and whose ``P.V`` is
+    half precision normalises that product directly: the same numbers (adding it to a zero
+    float32 accumulator is exact, and so is the power-of-two scale of float16 ``P.V``)."""
+
+    def __init__(self, runner: TiledRunner, n: int) -> None:
+        self.runner = runner
+        self.tokens = ceil_div(n, runner.til.query_tile) * runner.til.query_tile
+        self.rows = (runner.kv, self.tokens * runner.group)
+        self._acc: Optional[torch.Tensor] = None
+        self.m: Optional[torch.Tensor] = None
+        self.corr: Optional[torch.Tensor] = None
+        self.direct: Optional[torch.Tensor] = None
+
+    @property
+    def acc(self) -> torch.Tensor:
+        if self._acc is None:
+            self._acc = torch.zeros(self.rows + (self.runner.cols,), dtype=torch.float32,
+                                    device=self.runner.device)
+        return self._acc
+
+    def shift_max(self, s: torch.Tensor, single: bool) -> None:
+        """Shift the scores ``[kv, rows, keys]`` by the running row max, in place; keeps the
+        accumulator's correction for ``merge``.  A row that saw no key yet has max
+        ``finfo.min``: its weights are exactly 0, and its correction 0 once it sees one."""
+        work = s.dtype
+        low = torch.finfo(work).min
+        m = s.amax(dim=-1, keepdim=True)
+        if single:  # every row sees a key of its only group: its max is finite
+            s.sub_(m)
+            return
+        if self.m is None:
+            self.m = torch.full(self.rows + (1,), -math.inf, dtype=torch.float32,
+                                device=self.runner.device)
+        m_new = torch.maximum(self.m, m.float()).clamp_min_(low)
+        self.corr = torch.exp(self.m - m_new)
+        self.m = m_new
+        s.sub_(m_new.to(work))  # exact: every value came from ``work``
+
+    def merge(self, o: torch.Tensor, scale: float, single: bool) -> None:
+        """Fold one group's ``P.V`` (times ``scale``) into the accumulator."""
+        if single:
+            self.direct = o
+            return
+        if self.corr is not None:
+            self.acc.mul_(self.corr)
+            self.corr = None
+        self.acc.add_(o, alpha=scale)
+
+    def result(self) -> torch.Tensor:
+        return self.direct if self.direct is not None else self.acc

@@ -6,12 +6,14 @@ each attending only to itself, causal (decoder self-attention) or not (encoder a
 encoder/decoder cross-attention), with grouped-query heads (query head ``h`` reads KV head
 ``h // (H // KV)``), an optional sliding window (query ``i`` sees keys ``i - window < j <= i``,
 xformers' local attention) and optional ALiBi slopes (bias ``slope[h] * (j - i)``, vLLM's
-``_make_alibi_bias``).
+``_make_alibi_bias``; like vLLM's, the ALiBi path has no window: ``prefix.alibi_window``).
 
-Work is tiled over queries: a tile's scores, its mask and its converted K/V span stay under
-``budget_mb`` (the budget the prefix kernel uses; at least one query row per tile).  Scores,
-softmax and accumulation are float32; the matrix products run in float32 or in the inputs'
-dtype as ``_common.compute_mode`` says.  Inputs are never written.  Never imports vLLM.
+Causal attention runs on the prefix kernel's code (``_attend``): a prompt is a prefix call
+with an empty context, so every output row is bit-identical to the row the prefix kernel
+computes for the same token after any prefix-cache hit or in any chunk of a chunked
+prefill, in both compute modes.  Non-causal attention takes the tiled path with the running
+max shift (the same for every dtype; invariance there is per call only).  Work is tiled
+under ``budget_mb`` (``_prefix_plan``); inputs are never written.  Never imports vLLM.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._common import compute_mode, scores_bmm, work_dtype
+from . import prefix
+from ._attend import attend
+from ._common import ScaleLike, ceil_div, scale_factor
+from ._prefix_plan import PrefixInputs, SeqSpan, chunk_tokens, tiling
+from .kv_write import FP8_CACHE_DTYPES
+from .prefix import alibi_window
 
 __all__ = ["varlen_attention", "tile_rows"]
 
@@ -37,14 +44,16 @@ def _lengths(name: str, lens: Sequence[int]) -> List[int]:
 
 
 def tile_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_size: int,
-              elem: int, budget_bytes: int) -> int:
-    """Query rows per tile so that one tile's working set stays under ``budget_bytes``:
-    float32 scores (plus a bias or probability copy), the bool mask and its negation per
-    (query, key) pair, the query/output rows in float32, and the K/V span converted to
-    float32 (counted once)."""
-    per_row = heads * k_len * (4 + 4 + elem) + 2 * k_len + 2 * heads * head_size * 4
-    fixed = 2 * k_len * kv_heads * head_size * 4
-    return max(1, min(q_len, (budget_bytes - fixed) // per_row))
+              elem: int, budget_bytes: int, *, alibi: bool = False) -> int:
+    """Query rows per unit of the tiled path for one causal prompt of ``q_len`` tokens
+    (``k_len == q_len``) in a work dtype of ``elem`` bytes (2: the GPU compute mode in
+    float16/bfloat16; 4: float32), under ``budget_bytes``: what the planner picks
+    (``_prefix_plan.chunk_tokens``), at least one query tile."""
+    work = {2: torch.float16, 4: torch.float32}[elem]
+    til = tiling(heads, kv_heads, head_size, 16, work, budget_bytes, alibi=alibi)
+    keys = min(til.group_keys, ceil_div(max(q_len, k_len), til.key_tile) * til.key_tile)
+    return min(q_len, chunk_tokens(q_len, keys, keys, heads, kv_heads, head_size, til,
+                                   budget_bytes, alibi))
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,12 +61,16 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      kv_lens: Optional[Sequence[int]] = None, causal: bool = True,
                      alibi_slopes: Optional[torch.Tensor] = None,
                      sliding_window: Optional[int] = None, budget_mb: int = 256,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, kv_cache_dtype: str = "auto",
+                     k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0) -> torch.Tensor:
     """Attention of packed sequences; returns ``[T, H, D]`` in the query's dtype.
 
     ``q_lens``: tokens of each sequence in ``query``; ``kv_lens`` (default ``q_lens``): in
     ``key``/``value``.  ``causal`` needs ``q_lens == kv_lens``; ``sliding_window`` (keys) and
-    ``alibi_slopes`` (float, one per query head) only apply to causal attention.
+    ``alibi_slopes`` (float, one per query head) only apply to causal attention (the window
+    is ignored with ALiBi, as vLLM's ALiBi path does).  ``kv_cache_dtype`` (an fp8 name) with
+    ``k_scale``/``v_scale``: the keys and values are rounded through fp8 as the paged cache
+    stores them, so that the rows equal the prefix kernel's over that cache.
     """
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError(f"query, key and value must be 3-D [tokens, heads, head_size], got "
@@ -93,7 +106,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             raise ValueError(f"alibi_slopes must have shape [{heads}], got "
                              f"{tuple(alibi_slopes.shape)}")
         slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).view(
-            kv_heads, heads // kv_heads, 1, 1)
+            kv_heads, heads // kv_heads)
     if budget_mb < 1:
         raise ValueError(f"budget_mb must be >= 1, got {budget_mb!r}")
     if out is None:
@@ -101,55 +114,25 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     elif out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    work = work_dtype(query.dtype, query.device)
-    native = compute_mode(query.device) == "native"
-    elem = torch.empty((), dtype=work).element_size()
+    fp8 = None
+    if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in FP8_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; expected "
+                             f"'auto' or one of {', '.join(FP8_CACHE_DTYPES)}")
+        fp8 = kv_cache_dtype
     window = None if sliding_window is None else int(sliding_window)
+    inp = PrefixInputs(query, key, value, None, None, None, scale_factor(scale, "scale"),
+                       alibi_window(window, slopes is not None), slopes,
+                       k_mult=scale_factor(k_scale, "k_scale") if fp8 else None,
+                       v_mult=scale_factor(v_scale, "v_scale") if fp8 else None, fp8=fp8)
+    seqs = []
     q0 = k0 = 0
     for q_len, k_len in zip(qs, ks):
-        rows = tile_rows(q_len, k_len, heads, kv_heads, dim, elem, budget_mb << 20)
-        for c0 in range(0, q_len, rows):
-            c1 = min(q_len, c0 + rows)
-            lo, hi = (0, k_len) if not causal else (
-                0 if window is None else max(0, c0 - window + 1), c1)
-            _tile(query[q0 + c0:q0 + c1], key[k0 + lo:k0 + hi], value[k0 + lo:k0 + hi],
-                  out[q0 + c0:q0 + c1], c0, lo, scale, causal, window, slopes, work, native)
+        seqs.append(SeqSpan(q0, q_len, 0, None, k0, k_len, causal))
+        if not causal and k_len == 0:
+            out[q0:q0 + q_len].zero_()  # a query that no key may attend
+            seqs.pop()
         q0 += q_len
         k0 += k_len
+    attend(inp, seqs, budget_mb << 20, out, prefix.FORCE_PATH, causal=causal)
     return out
-
-
-def _tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dest: torch.Tensor, q_pos: int,
-          k_pos: int, scale: float, causal: bool, window: Optional[int],
-          slopes: Optional[torch.Tensor], work: torch.dtype, native: bool) -> None:
-    """One query tile: ``q`` [n, H, D] at positions ``q_pos..``, keys at ``k_pos..``."""
-    n, heads, dim = q.shape
-    nk, kv_heads = k.shape[0], k.shape[1]
-    if nk == 0:  # a query that no key may attend (cross-attention to an empty encoder input)
-        dest.zero_()
-        return
-    group = heads // kv_heads
-    # [KV, group * n, D]: the query heads of one KV head side by side (h = kv * group + g).
-    qt = q.to(work).permute(1, 0, 2).reshape(kv_heads, group * n, dim)
-    kt = k.to(work).permute(1, 2, 0)                    # [KV, D, nk]
-    vt = v.to(work).permute(1, 0, 2)                    # [KV, nk, D]
-    scores = scores_bmm(qt, kt).view(kv_heads, group, n, nk)
-    scores.mul_(scale)
-    if causal:
-        qi = torch.arange(q_pos, q_pos + n, device=q.device)[:, None]
-        kj = torch.arange(k_pos, k_pos + nk, device=q.device)[None, :]
-        if slopes is not None:
-            scores.add_(slopes * (kj - qi).to(torch.float32))
-        hidden = kj > qi
-        if window is not None:
-            hidden |= kj <= qi - window
-        scores.masked_fill_(hidden, float("-inf"))
-        del hidden
-    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-    scores.div_(scores.sum(dim=-1, keepdim=True))
-    probs = scores.view(kv_heads, group * n, nk)
-    if native:
-        res = torch.bmm(probs.to(work), vt)
-    else:
-        res = torch.bmm(probs, vt)
-    dest.copy_(res.view(heads, n, dim).transpose(0, 1))

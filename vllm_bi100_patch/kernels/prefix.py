@@ -4,20 +4,22 @@ Replaces vLLM's Triton ``context_attention_fwd``, which hangs Iluvatar BI-V100 c
 each sequence, its new tokens attend causally to the sequence's cached context (read from
 the paged cache) and to the new tokens up to themselves (read from ``key``/``value``).
 
-This module validates the call and runs each sequence on one of two paths, chosen per
-sequence by ``_prefix_plan.prefix_plan`` under the memory budget:
+This module validates the call; ``_attend`` runs it, on the same code as the dense prompt
+attention (``dense.varlen_attention``): every query row's output is bit-identical however
+the prompt was sliced (one chunk, chunked prefill at any size, a prefix-cache hit of any
+length, any batch mates), and equal to the dense kernel's for the same prompt (see
+``_prefix_plan`` for the tiling that makes it so).  Paths, per row:
 
 - the SDPA path (``_prefix_sdpa``): CPU only, on a torch whose CPU flash kernel was
-  verified, float32/bfloat16, no ALiBi: gathered contiguous K/V and one
-  ``scaled_dot_product_attention`` per query chunk;
+  verified, float32/bfloat16, no ALiBi: absolute query tiles over contiguous K/V;
 - the tiled path (``_prefix_tiled``): everything else, and every GPU: plain matrix
-  products and an online softmax over (query chunk, key tile) pairs, peak memory under
-  the budget whatever the context length.
+  products and elementwise ops over absolute key tiles, peak memory under the budget
+  whatever the context length.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -30,20 +32,11 @@ from ._common import (
     check_heads,
     check_int_tensor,
     scale_factor,
-    work_dtype,
 )
-from ._prefix_plan import (
-    PlanShape,
-    PrefixInputs,
-    PrefixPlan,
-    SeqSpan,
-    prefix_plan,
-    sdpa_path_ok,
-)
-from ._prefix_sdpa import sdpa_sequence
-from ._prefix_tiled import TiledSequence
+from ._attend import attend
+from ._prefix_plan import PrefixInputs, SeqSpan, sdpa_path_ok
 
-__all__ = ["DEFAULT_BUDGET_MB", "PrefixPlan", "paged_prefix", "prefix_plan", "sdpa_path_ok"]
+__all__ = ["DEFAULT_BUDGET_MB", "alibi_window", "paged_prefix", "sdpa_path_ok"]
 
 #: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
 FORCE_PATH: Optional[str] = None
@@ -85,9 +78,11 @@ def paged_prefix(
         context_lens: ``[batch]`` tokens already in the cache per sequence.
         scale: softmax scale; ``None`` means ``head_size ** -0.5``.
         alibi_slopes: optional ``[num_heads]``; bias ``slope * (key_pos - query_pos)``.
-        sliding_window: a query at position ``p`` sees keys at positions ``> p - window``.
-        kv_cache_dtype, k_scale, v_scale: as in ``paged_decode`` (scales apply to the
-            cached context of fp8 caches only; the new tokens are not quantised).
+        sliding_window: a query at position ``p`` sees keys at positions ``> p - window``;
+            ignored with ALiBi, as vLLM's own ALiBi kernels do (``alibi_window``).
+        kv_cache_dtype, k_scale, v_scale: as in ``paged_decode``; with an fp8 cache the
+            new tokens' K/V are rounded through fp8 exactly as the cache write stores them
+            (``kv_write.quantize_fp8``), so that a token reads the same new or cached.
         budget_mb: peak extra memory per call in MiB; ``None`` means
             ``DEFAULT_BUDGET_MB`` (256).  The kernel never reads the environment: the shim
             passes its ``VLLM_BI100_PREFIX_BUDGET_MB`` setting.
@@ -141,65 +136,37 @@ def paged_prefix(
     if query.device.type == "cpu" and batch > 0:
         _check_block_ids(block_tables, contexts, spec.block_size, spec.num_blocks)
 
+    fp8 = kv_cache_dtype if spec.fp8 else None
+    slopes = None if alibi_slopes is None else alibi_slopes.to(
+        device=query.device, dtype=torch.float32).view(spec.num_kv_heads, group)
     inp = PrefixInputs(
-        query, key, value, key_cache, value_cache, spec, q_scale, window,
-        slopes=None if alibi_slopes is None else alibi_slopes.to(
-            device=query.device, dtype=torch.float32).view(spec.num_kv_heads, group, 1, 1),
-        k_mult=scale_factor(k_scale, "k_scale") if spec.fp8 else None,
-        v_mult=scale_factor(v_scale, "v_scale") if spec.fp8 else None)
+        query, key, value, key_cache, value_cache, spec, q_scale,
+        alibi_window(window, slopes is not None), slopes,
+        k_mult=scale_factor(k_scale, "k_scale") if fp8 else None,
+        v_mult=scale_factor(v_scale, "v_scale") if fp8 else None, fp8=fp8)
     tables = block_tables.to(torch.int64)
     out = torch.zeros_like(query)
-    flagged: List[Tuple[int, SeqSpan, torch.Tensor]] = []
-    for i in range(batch):
-        seq = SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
-        if seq.q_len > 0:
-            overflow = _attend_sequence(inp, seq, budget << 20, out)
-            if overflow is not None:
-                flagged.append((i, seq, overflow))
-    if flagged:
-        _recompute_overflowed(inp, flagged, budget << 20, out)
+    seqs = [SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
+            for i in range(batch)]
+    attend(inp, seqs, budget << 20, out, FORCE_PATH)
     return out
 
 
-def _recompute_overflowed(inp: PrefixInputs, flagged: List[Tuple[int, SeqSpan, torch.Tensor]],
-                          budget: int, out: torch.Tensor) -> None:
-    """Sequences whose float16 scores overflowed (``TiledSequence.overflow``; one host read
-    for the call) run again with float32 products."""
-    hits = torch.stack([flag for _, _, flag in flagged]).tolist()
-    for (i, seq, _), hit in zip(flagged, hits):
-        if hit:
-            log.warning("paged_prefix: float16 scores of sequence %d overflowed (or its "
-                        "inputs are not finite); recomputed with float32 products", i)
-            _attend_sequence(inp, seq, budget, out, work=torch.float32)
+def alibi_window(window: Optional[int], alibi: bool) -> Optional[int]:
+    """The sliding window to apply: none with ALiBi, as vLLM's own ALiBi prompt and prefix
+    kernels do (``_make_alibi_bias`` in ``vllm/attention/backends/xformers.py`` builds no
+    local mask, ``_fwd_kernel_alibi`` in ``vllm/attention/ops/prefix_prefill.py`` takes no
+    window; vLLM 0.6.3), logged once."""
+    if window is None or not alibi:
+        return window
+    if not _ALIBI_WINDOW_LOGGED:
+        _ALIBI_WINDOW_LOGGED.append(True)
+        log.warning("prefix/dense attention: ALiBi with a sliding window of %d: the window "
+                    "is ignored, as vLLM's own ALiBi kernels do", window)
+    return None
 
 
-def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Tensor,
-                     work: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-    """Plan one sequence under ``budget`` bytes and run it on its path (with ``work`` as the
-    tiled path's work dtype, when given); returns the tiled path's overflow flag."""
-    query = inp.query
-    # SDPA path allowed? (no ALiBi, a Python-float scale, a dtype SDPA is fast for).
-    sdpa_ok = (inp.slopes is None and isinstance(inp.q_scale, float)
-               and (FORCE_PATH == "sdpa" or sdpa_path_ok(query.dtype, query.device)))
-    spec = inp.spec
-    work = work or work_dtype(query.dtype, query.device)
-    shape = PlanShape(query.shape[1], spec.num_kv_heads, spec.head_size, spec.block_size,
-                      inp.key_cache.element_size(), query.element_size(),
-                      torch.empty((), dtype=work).element_size())
-    threads = torch.get_num_threads() if query.device.type == "cpu" else 1
-    plan = prefix_plan(seq.q_len, seq.ctx, shape, budget, sdpa_ok=sdpa_ok, threads=threads,
-                       force=FORCE_PATH)
-    if plan.peak_bytes > budget:
-        log.warning(
-            "paged_prefix: budget %d MiB is below the minimum working set (%.1f MiB for "
-            "one query and one block); using the minimum", budget >> 20,
-            plan.peak_bytes / 2**20)
-    if plan.sdpa:
-        sdpa_sequence(inp, seq, plan.q_chunk, out)
-        return None
-    tiled = TiledSequence(inp, seq, plan, work)
-    tiled.run(out)
-    return tiled.overflow
+_ALIBI_WINDOW_LOGGED: List[bool] = []
 
 
 def _check_lengths(starts: List[int], contexts: List[int], totals: List[int], num_tokens: int,

@@ -1,0 +1,83 @@
+"""The one driver of the prefix and dense kernels: which path each query row takes.
+
+``paged_prefix`` (new tokens after a cached context) and ``dense.varlen_attention`` (a prompt
+without a cache: the context is empty) describe their sequences as ``SeqSpan``s and call
+``attend``: a prompt computed in one call by the dense kernel and the same rows computed by
+the prefix kernel after a cache hit go through the same code with the same operands.
+
+Path per row, never per call: on CPU (SDPA allowed: float32/bfloat16, no ALiBi, a float
+scale, a verified torch) rows whose SDPA tile (absolute, ``SDPA_QUERY_TILE`` positions)
+ends where its K/V still fit the budget (``_prefix_plan.sdpa_max_end``) take SDPA, the others
+the tiled path; everything else takes the tiled path.  ``FORCE_PATH`` (on the ``prefix``
+module: ``"sdpa"``/``"tiled"``) overrides it for tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Set
+
+import torch
+
+from .._log import log
+from ._common import work_dtype
+from ._prefix_plan import (
+    PrefixInputs,
+    SeqSpan,
+    Tiling,
+    row_bytes,
+    sdpa_max_end,
+    sdpa_path_ok,
+    stage_bytes,
+    tiling,
+)
+from ._prefix_sdpa import sdpa_rows
+from ._prefix_tiled import TiledRunner
+
+__all__ = ["attend"]
+
+_warned: Set[tuple] = set()
+
+
+def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.Tensor,
+           force: Optional[str] = None, causal: bool = True) -> None:
+    """Attend every sequence's query rows into ``out`` under ``budget`` bytes."""
+    query = inp.query
+    heads, kv, d = query.shape[1], inp.kv_heads, inp.head_size
+    device = query.device
+    work = work_dtype(query.dtype, device)
+    block = inp.spec.block_size if inp.spec is not None else 16
+    alibi = inp.slopes is not None
+    til = tiling(heads, kv, d, block, work, budget, causal=causal, alibi=alibi)
+    _warn_small_budget(til, heads, kv, d, budget, alibi)
+    runner = TiledRunner(inp, til, budget)
+    sdpa = (causal and not alibi and isinstance(inp.q_scale, float) and force != "tiled"
+            and (force == "sdpa" or sdpa_path_ok(query.dtype, device)))
+    sdpa_end = 0
+    if sdpa:
+        threads = torch.get_num_threads() if device.type == "cpu" else 1
+        sdpa_end = (1 << 62) if force == "sdpa" else sdpa_max_end(
+            heads, kv, d, query.element_size(), threads, budget)
+    for seq in seqs:
+        if seq.q_len == 0:
+            continue
+        split = min(seq.q_len, max(0, sdpa_end - seq.ctx)) if sdpa else 0
+        if split:
+            sdpa_rows(inp, seq, split, out)
+        if split < seq.q_len:
+            runner.run(seq, out, split)
+    runner.recompute(out)
+
+
+def _warn_small_budget(til: Tiling, heads: int, kv: int, d: int, budget: int,
+                       alibi: bool) -> None:
+    """One WARNING per setting when one key tile against one query tile exceeds the budget
+    (the kernels then use that minimum)."""
+    we = torch.empty((), dtype=til.work).element_size()
+    need = stage_bytes(til.key_tile, kv, d, we) + til.query_tile * row_bytes(
+        til.key_tile, heads, kv, d, we, alibi)
+    key = (budget, heads, kv, d, til.work, alibi)
+    if need > budget and key not in _warned:
+        _warned.add(key)
+        log.warning("prefix/dense attention: budget %d MiB is below the minimum working set "
+                    "(%.1f MiB: %d keys against %d queries); using the minimum",
+                    budget >> 20, need / 2**20, til.key_tile, til.query_tile)
