@@ -43,7 +43,8 @@ from ._prefix_plan import (
 from ._prefix_sdpa import sdpa_sequence
 from ._prefix_tiled import TiledSequence
 
-__all__ = ["DEFAULT_BUDGET_MB", "PrefixPlan", "paged_prefix", "prefix_plan", "sdpa_path_ok"]
+__all__ = ["DEFAULT_BUDGET_MB", "PrefixPlan", "PrefixStats", "paged_prefix", "prefix_plan",
+           "sdpa_path_ok"]
 
 #: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
 FORCE_PATH: Optional[str] = None
@@ -51,6 +52,28 @@ FORCE_PATH: Optional[str] = None
 #: Peak extra memory per call when the caller passes no budget (the shim passes its
 #: ``VLLM_BI100_PREFIX_BUDGET_MB`` setting, whose default is the same).
 DEFAULT_BUDGET_MB = 256
+
+
+class PrefixStats:
+    """What one ``paged_prefix`` call did, filled in when the caller passes one as ``stats``
+    (the kernel keeps no state and reports to nobody; the shim's patch layer counts it):
+    sequences, new tokens and cached context tokens per path (``"sdpa"``, ``"tiled"``), and
+    sequences whose float16 scores overflowed and ran again in float32."""
+
+    __slots__ = ("sequences", "tokens", "context", "fp32_reruns")
+
+    def __init__(self) -> None:
+        self.sequences = {"sdpa": 0, "tiled": 0}
+        self.tokens = {"sdpa": 0, "tiled": 0}
+        self.context = {"sdpa": 0, "tiled": 0}
+        self.fp32_reruns = 0
+
+    @property
+    def path(self) -> str:
+        """``"sdpa"`` or ``"tiled"`` when every sequence with new tokens took that path,
+        ``"mixed"`` when both were taken, ``"none"`` when no sequence had new tokens."""
+        used = [p for p, n in self.sequences.items() if n]
+        return used[0] if len(used) == 1 else "mixed" if used else "none"
 
 
 def paged_prefix(
@@ -71,6 +94,7 @@ def paged_prefix(
     k_scale: ScaleLike = 1.0,
     v_scale: ScaleLike = 1.0,
     budget_mb: Optional[int] = None,
+    stats: Optional[PrefixStats] = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached context plus themselves.
 
@@ -91,6 +115,8 @@ def paged_prefix(
         budget_mb: peak extra memory per call in MiB; ``None`` means
             ``DEFAULT_BUDGET_MB`` (256).  The kernel never reads the environment: the shim
             passes its ``VLLM_BI100_PREFIX_BUDGET_MB`` setting.
+        stats: a ``PrefixStats`` to fill in with what this call did (paths, tokens, float32
+            re-runs); ``None``: nothing is recorded.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in the query's dtype.  Rows not covered by
@@ -153,30 +179,37 @@ def paged_prefix(
     for i in range(batch):
         seq = SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
         if seq.q_len > 0:
-            overflow = _attend_sequence(inp, seq, budget << 20, out)
+            overflow = _attend_sequence(inp, seq, budget << 20, out, stats=stats)
             if overflow is not None:
                 flagged.append((i, seq, overflow))
     if flagged:
-        _recompute_overflowed(inp, flagged, budget << 20, out)
+        reruns = _recompute_overflowed(inp, flagged, budget << 20, out)
+        if stats is not None:
+            stats.fp32_reruns += reruns
     return out
 
 
 def _recompute_overflowed(inp: PrefixInputs, flagged: List[Tuple[int, SeqSpan, torch.Tensor]],
-                          budget: int, out: torch.Tensor) -> None:
+                          budget: int, out: torch.Tensor) -> int:
     """Sequences whose float16 scores overflowed (``TiledSequence.overflow``; one host read
-    for the call) run again with float32 products."""
+    for the call) run again with float32 products; returns how many did."""
     hits = torch.stack([flag for _, _, flag in flagged]).tolist()
+    reruns = 0
     for (i, seq, _), hit in zip(flagged, hits):
         if hit:
             log.warning("paged_prefix: float16 scores of sequence %d overflowed (or its "
                         "inputs are not finite); recomputed with float32 products", i)
             _attend_sequence(inp, seq, budget, out, work=torch.float32)
+            reruns += 1
+    return reruns
 
 
 def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Tensor,
-                     work: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+                     work: Optional[torch.dtype] = None,
+                     stats: Optional[PrefixStats] = None) -> Optional[torch.Tensor]:
     """Plan one sequence under ``budget`` bytes and run it on its path (with ``work`` as the
-    tiled path's work dtype, when given); returns the tiled path's overflow flag."""
+    tiled path's work dtype, when given; recorded in ``stats`` when given); returns the tiled
+    path's overflow flag."""
     query = inp.query
     # SDPA path allowed? (no ALiBi, a Python-float scale, a dtype SDPA is fast for).
     sdpa_ok = (inp.slopes is None and isinstance(inp.q_scale, float)
@@ -194,6 +227,11 @@ def _attend_sequence(inp: PrefixInputs, seq: SeqSpan, budget: int, out: torch.Te
             "paged_prefix: budget %d MiB is below the minimum working set (%.1f MiB for "
             "one query and one block); using the minimum", budget >> 20,
             plan.peak_bytes / 2**20)
+    if stats is not None:
+        path = "sdpa" if plan.sdpa else "tiled"
+        stats.sequences[path] += 1
+        stats.tokens[path] += seq.q_len
+        stats.context[path] += seq.ctx
     if plan.sdpa:
         sdpa_sequence(inp, seq, plan.q_chunk, out)
         return None

@@ -101,6 +101,10 @@ class NativeDecoder:
     """The native decode of one ops object (None: no native ops) under one routing."""
 
     profile: Optional[OpsProfile]
+    #: Metrics (issue 23): called once per counted decode with ``(route, reason,
+    #: max_seq_len)``, ``reason`` the route row's name (``reason_of``); set by the patch
+    #: layer, which counts what the decoder reports (the decoder imports no metrics).
+    observer: Optional[Callable[[str, str, int], None]] = None
 
     def __init__(self, ops: Any, routing: Union[Routing, Callable[[], Routing]]) -> None:
         self.ops = ops
@@ -187,6 +191,19 @@ class NativeDecoder:
         return {"native_ops": self.profile.describe(), "v1_limit": self.v1_limit,
                 "bands": bands}
 
+    def reason_of(self, row: Route, facts: Facts) -> str:
+        """Metrics (issue 23): the name of why a call took ``row``'s route: the row's name,
+        or, for the row where neither kernel is usable, the kernel rule that excluded the
+        first present kernel (V1 first), or ``"kernel_absent"`` when neither is present."""
+        if row.name != "none_usable" or self.profile is None:
+            return row.name
+        for kernel in (self.profile.v1, self.profile.v2):
+            if kernel.present:
+                rule = self.excluded_by(kernel, facts)
+                if rule is not None:
+                    return rule.name
+        return "kernel_absent"
+
     # --- a call --------------------------------------------------------------------------
 
     def decode(self, call: DecodeCall) -> torch.Tensor:
@@ -205,6 +222,8 @@ class NativeDecoder:
             out = torch.empty_like(call.query)
             if self._run(kernel, call, out, row.route == "native_v2"):
                 _count_route(row.route)
+                if self.observer is not None:  # metrics (issue 23)
+                    self.observer(row.route, row.name, call.max_seq_len)
                 return out
             facts = Facts(self, call)  # the kernel was a stub, now absent: choose again
             row = self.choose(facts)
@@ -215,6 +234,8 @@ class NativeDecoder:
                 f"({row.reason(self, facts)}); the pure-PyTorch decode does not implement "
                 "block sparsity")
         _count_route("fallback")
+        if self.observer is not None:  # metrics (issue 23)
+            self.observer("fallback", self.reason_of(row, facts), call.max_seq_len)
         return paged_decode(call.query, call.key_cache, call.value_cache, call.block_tables,
                             call.seq_lens, call.scale, alibi_slopes=call.alibi_slopes,
                             kv_cache_dtype=call.kv_cache_dtype, k_scale=call.k_scale,

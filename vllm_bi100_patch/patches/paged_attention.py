@@ -17,9 +17,10 @@ import threading
 import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .. import config, hardware, native
+from .. import config, hardware, metrics, native
 from .._log import log
 from ..kernels import paged_prefix
+from ..kernels.prefix import PrefixStats
 from ..kernels._common import as_count
 from ..native import DecodeCall, NativeDecoder
 from ..versions import Family
@@ -42,11 +43,12 @@ def call_counts() -> Dict[str, int]:
 
 
 def reset_call_counts() -> None:
-    """Zero the call counters and the decode route counters."""
+    """Zero the call counters, the decode route counters and the metrics' own tally."""
     with _counts_lock:
         for key in CALL_COUNTS:
             CALL_COUNTS[key] = 0
     native.reset_route_counts()
+    metrics.TALLY.reset()
 
 
 def log_counts() -> None:
@@ -170,6 +172,7 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
     reader = ArgReader.for_function(original, family.decode_params, "forward_decode")
     names = reader.params
     decoder = decoder_for(module, settings)
+    decoder.observer = metrics.TALLY.decode  # metrics (issue 23): route, reason, max_seq_len
     _patched.update(module=module, decoder=decoder)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
@@ -200,13 +203,16 @@ def make_prefix_wrapper(family: Family, original: Callable[..., Any],
         window = v[index["sliding_window"]]
         if window is not None and window <= 0:
             window = None
-        return paged_prefix(
+        stats = PrefixStats()  # metrics (issue 23): what the kernel did, counted below
+        out = paged_prefix(
             v[index["query"]], v[index["key"]], v[index["value"]], v[index["key_cache"]],
             v[index["value_cache"]], v[index["block_tables"]], query_start_loc, seq_lens,
             context_lens, alibi_slopes=v[index["alibi_slopes"]], sliding_window=window,
             kv_cache_dtype=v[index["kv_cache_dtype"]] if "kv_cache_dtype" in index else "auto",
             k_scale=v[index["k_scale"]] if "k_scale" in index else 1.0,
             v_scale=v[index["v_scale"]] if "v_scale" in index else 1.0,
-            budget_mb=budget)
+            budget_mb=budget, stats=stats)
+        metrics.TALLY.prefix(stats)
+        return out
 
     return forward_prefix
