@@ -339,3 +339,25 @@ def test_doctor_says_whether_and_how_metrics_are_exported(tmp_path, environ, ver
 def test_doctor_exports_nothing_itself():
     doctor.doctor_sections()
     assert metrics_export.suppressed and metrics_export.state() == {"export": "off"}
+
+
+def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
+    import json
+    import re
+
+    known = set(metrics.names())
+    known |= {n + s for n in known for s in ("_bucket", "_count", "_sum")}
+    panel = open(os.path.join(ROOT, "docs", "grafana-bi100-panel.json")).read()
+    exprs = [t["expr"] for p in json.loads(panel)["panels"] for t in p["targets"]]
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    used = set(re.findall(r"vllm_bi100:[a-z0-9_]+", readme + "\n".join(exprs)))
+    assert used and used <= known, used - known
+    assert any('route="fallback"' in e and "/ sum by (instance)" in e for e in exprs)
+
+
+def test_prometheus_client_is_no_runtime_dependency():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert "prometheus" not in cfg["options"]["install_requires"]

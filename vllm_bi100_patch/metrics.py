@@ -112,21 +112,31 @@ Family = Tuple[str, str, str, List[Tuple[str, Labels, float]]]
 
 
 class Tally:
-    """The counts kept for the metrics only: flat ``{key tuple: int}`` under one lock."""
+    """The counts kept for the metrics only, under one lock: ``{key tuple: int}``, except the
+    per-call decode counts, kept in lists so that a call costs a few increments (``decode``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Dict[Key, int] = {}
+        #: reason -> [route, calls]: a reason (a route row or rule) belongs to one route.
+        self._reasons: Dict[str, List[Any]] = {}
+        #: route -> calls per max_seq_len bucket (``BUCKETS``, then +Inf), then their sum.
+        self._lengths: Dict[str, List[int]] = {r: [0] * (len(BUCKETS) + 2) for r in ROUTES}
 
-    def decode(self, route: str, reason: str, max_seq_len: int) -> None:
-        """One decode call (the native decoder's observer)."""
-        bucket = bisect.bisect_left(BUCKETS, max_seq_len)
-        c = self._counts
-        k1, k2, k3 = ("reason", route, reason), ("len", route, str(bucket)), ("len_sum", route)
+    def decode(self, route: str, reason: str, max_seq_len: int,
+               _bucket: Callable[..., int] = bisect.bisect_left) -> None:
+        """One decode call (the native decoder's observer): one lock, three increments."""
+        i = _bucket(BUCKETS, max_seq_len)
         with self._lock:
-            c[k1] = c.get(k1, 0) + 1
-            c[k2] = c.get(k2, 0) + 1
-            c[k3] = c.get(k3, 0) + max_seq_len
+            entry = self._reasons.get(reason)
+            if entry is None:
+                entry = self._reasons[reason] = [route, 0]
+            entry[1] += 1
+            lengths = self._lengths.get(route)
+            if lengths is None:
+                lengths = self._lengths[route] = [0] * (len(BUCKETS) + 2)
+            lengths[i] += 1
+            lengths[-1] += max_seq_len
 
     def prefix(self, stats: "PrefixStats") -> None:
         """One prefix call, from what the kernel reported."""
@@ -148,12 +158,26 @@ class Tally:
                 c[key] = c.get(key, 0) + n
 
     def snapshot(self) -> Dict[Key, int]:
+        """Every count as ``{key tuple: int}``: ``("reason", route, reason)``, ``("len",
+        route, bucket index)``, ``("len_sum", route)`` and the keys of ``_counts``."""
         with self._lock:
-            return dict(self._counts)
+            out = dict(self._counts)
+            reasons = [(r, list(e)) for r, e in self._reasons.items()]
+            lengths = [(r, list(v)) for r, v in self._lengths.items()]
+        for reason, (route, n) in reasons:
+            out[("reason", route, reason)] = n
+        for route, values in lengths:
+            out.update({("len", route, str(i)): n for i, n in enumerate(values[:-1]) if n})
+            if values[-1]:
+                out[("len_sum", route)] = values[-1]
+        return out
 
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._reasons.clear()
+            for values in self._lengths.values():
+                values[:] = [0] * len(values)
 
     def after_fork(self) -> None:
         """A fresh lock in a forked child (the parent's may have been held at the fork)."""
@@ -163,9 +187,22 @@ class Tally:
 TALLY = Tally()
 
 
+_OWN = "_vllm_bi100_counts_refusals"
+
+
+def counts_own_refusals(wrapper: Wrapper) -> Wrapper:
+    """Mark a hot wrapper that counts its refusals itself (``TALLY.refused`` in its own
+    ``except``): the registry then adds no frame around it."""
+    setattr(wrapper, _OWN, True)
+    return wrapper
+
+
 def count_refusals(row: str, wrapper: Wrapper) -> Wrapper:
     """``wrapper`` (a row's wrapt wrapper), counting the calls that raise through it into
-    ``TALLY`` (``refused_calls``); the exception goes on unchanged."""
+    ``TALLY`` (``refused_calls``); the exception goes on unchanged.  A wrapper marked by
+    ``counts_own_refusals`` is returned as it is."""
+    if getattr(wrapper, _OWN, False):
+        return wrapper
     refused = TALLY.refused
 
     def counted(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],

@@ -177,11 +177,15 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
-        _count("forward_decode")
-        return decoder.decode(decode_call(values))
+        try:
+            values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
+            _count("forward_decode")
+            return decoder.decode(decode_call(values))
+        except Exception as exc:  # metrics (issue 23): refusals counted here, no extra frame
+            metrics.TALLY.refused("decode", exc)
+            raise
 
-    return forward_decode
+    return metrics.counts_own_refusals(forward_decode)
 
 
 def make_prefix_wrapper(family: Family, original: Callable[..., Any],
