@@ -336,9 +336,10 @@ def test_doctor_says_whether_and_how_metrics_are_exported(tmp_path, environ, ver
         assert checks[1][1] == "names" and "vllm_bi100:decode_calls_total" in checks[1][2]
 
 
-def test_doctor_exports_nothing_itself():
-    doctor.doctor_sections()
+def test_doctor_exports_nothing_itself_and_has_a_metrics_section():
+    sections, _ = doctor.doctor_sections()
     assert metrics_export.suppressed and metrics_export.state() == {"export": "off"}
+    assert "metrics (vLLM's /metrics)" in [s.title for s in sections]
 
 
 def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
