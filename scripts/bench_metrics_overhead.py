@@ -26,7 +26,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r"""
-import json, sys, time, collections
+import json, os, sys, time, collections
+if os.environ.get("BENCH_CPU"):
+    os.sched_setaffinity(0, {int(os.environ["BENCH_CPU"])})
 import torch
 torch.set_num_threads(1)
 from vllm_bi100_patch import hardware
@@ -86,16 +88,18 @@ def main(argv: list) -> int:
     ap.add_argument("--base", default="/work/base", help="the other tree (default /work/base)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--cpu", type=int, default=None,
+                    help="pin both workers to this CPU (less noise on a loaded machine)")
     ap.add_argument("--multiproc-dir", action="store_true",
                     help="set PROMETHEUS_MULTIPROC_DIR (this tree's exporter writes files)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bi100-bench-") as tmp:
         fake = _fake_vllm(tmp)
-        extra = {}
+        extra = {} if args.cpu is None else {"BENCH_CPU": str(args.cpu)}
         if args.multiproc_dir:
             os.mkdir(os.path.join(tmp, "prom"))
-            extra = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(tmp, "prom"),
-                     "VLLM_BI100_METRICS_INTERVAL_S": "1"}
+            extra.update(PROMETHEUS_MULTIPROC_DIR=os.path.join(tmp, "prom"),
+                         VLLM_BI100_METRICS_INTERVAL_S="1")
         procs = {"base": _worker(os.path.abspath(args.base), fake, extra),
                  "this": _worker(ROOT, fake, extra)}
         times: dict = {"base": [], "this": []}
@@ -119,8 +123,10 @@ def main(argv: list) -> int:
     for name, label in (("base", args.base), ("this", "this tree")):
         t = times[name]
         print(f"| {label} | {statistics.median(t):.0f} | {min(t):.0f} | {max(t):.0f} |")
-    print(f"| difference (this - base) | {this - base:+.0f} | median of paired differences "
-          f"{statistics.median(diffs):+.0f} | |")
+    print(f"| difference (this - base) | {this - base:+.0f} | {min(times['this']) - min(times['base']):+.0f} "
+          f"| |")
+    print(f"median of the {len(diffs)} paired differences (this - base, same round): "
+          f"{statistics.median(diffs):+.0f} ns per call")
     if files:
         print("files written:", ", ".join(files))
     return 0

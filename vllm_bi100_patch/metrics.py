@@ -112,31 +112,32 @@ Family = Tuple[str, str, str, List[Tuple[str, Labels, float]]]
 
 
 class Tally:
-    """The counts kept for the metrics only, under one lock: ``{key tuple: int}``, except the
-    per-call decode counts, kept in lists so that a call costs a few increments (``decode``)."""
+    """The counts kept for the metrics only: ``{key tuple: int}`` under one lock, except the
+    per-call decode counts, kept in lists and updated without a lock (``decode``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Dict[Key, int] = {}
-        #: reason -> [route, calls]: a reason (a route row or rule) belongs to one route.
-        self._reasons: Dict[str, List[Any]] = {}
-        #: route -> calls per max_seq_len bucket (``BUCKETS``, then +Inf), then their sum.
-        self._lengths: Dict[str, List[int]] = {r: [0] * (len(BUCKETS) + 2) for r in ROUTES}
+        #: reason -> [route, calls, calls per max_seq_len bucket (``BUCKETS``, then +Inf),
+        #: sum of max_seq_len]: a reason (a route row or rule) belongs to one route.
+        self._decode: Dict[str, List[Any]] = {}
 
     def decode(self, route: str, reason: str, max_seq_len: int,
                _bucket: Callable[..., int] = bisect.bisect_left) -> None:
-        """One decode call (the native decoder's observer): one lock, three increments."""
-        i = _bucket(BUCKETS, max_seq_len)
-        with self._lock:
-            entry = self._reasons.get(reason)
-            if entry is None:
-                entry = self._reasons[reason] = [route, 0]
-            entry[1] += 1
-            lengths = self._lengths.get(route)
-            if lengths is None:
-                lengths = self._lengths[route] = [0] * (len(BUCKETS) + 2)
-            lengths[i] += 1
-            lengths[-1] += max_seq_len
+        """One decode call (the native decoder's observer): one lookup, three increments, no
+        lock.
+
+        vLLM runs a process's forward passes on one thread, so nothing else increments these
+        at the same time; ``snapshot`` copies them in single C calls (atomic under the GIL)
+        and may read one call's increments half done (the next flush catches up).  Two
+        threads decoding at once in one process could lose an increment of these metrics,
+        never corrupt one; the call counters of ``read_counts()`` keep their lock."""
+        entry = self._decode.get(reason)
+        if entry is None:
+            entry = self._decode.setdefault(reason, [route, 0] + [0] * (len(BUCKETS) + 2))
+        entry[1] += 1
+        entry[2 + _bucket(BUCKETS, max_seq_len)] += 1
+        entry[-1] += max_seq_len
 
     def prefix(self, stats: "PrefixStats") -> None:
         """One prefix call, from what the kernel reported."""
@@ -162,22 +163,20 @@ class Tally:
         route, bucket index)``, ``("len_sum", route)`` and the keys of ``_counts``."""
         with self._lock:
             out = dict(self._counts)
-            reasons = [(r, list(e)) for r, e in self._reasons.items()]
-            lengths = [(r, list(v)) for r, v in self._lengths.items()]
-        for reason, (route, n) in reasons:
-            out[("reason", route, reason)] = n
-        for route, values in lengths:
-            out.update({("len", route, str(i)): n for i, n in enumerate(values[:-1]) if n})
-            if values[-1]:
-                out[("len_sum", route)] = values[-1]
+        for reason, entry in list(self._decode.items()):  # list(): one C call
+            route, calls, *lengths = list(entry)
+            out[("reason", route, reason)] = calls
+            for i, n in enumerate(lengths[:-1]):
+                if n:
+                    key = ("len", route, str(i))
+                    out[key] = out.get(key, 0) + n
+            out[("len_sum", route)] = out.get(("len_sum", route), 0) + lengths[-1]
         return out
 
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
-            self._reasons.clear()
-            for values in self._lengths.values():
-                values[:] = [0] * len(values)
+        self._decode.clear()
 
     def after_fork(self) -> None:
         """A fresh lock in a forked child (the parent's may have been held at the fork)."""

@@ -222,8 +222,9 @@ class NativeDecoder:
             out = torch.empty_like(call.query)
             if self._run(kernel, call, out, row.route == "native_v2"):
                 _count_route(row.route)
-                if self.observer is not None:  # metrics (issue 23)
-                    self.observer(row.route, row.name, call.max_seq_len)
+                observer = self.observer
+                if observer is not None:  # metrics (issue 23)
+                    observer(row.route, row.name, call.max_seq_len)
                 return out
             facts = Facts(self, call)  # the kernel was a stub, now absent: choose again
             row = self.choose(facts)
