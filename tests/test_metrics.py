@@ -166,6 +166,16 @@ def test_patched_calls_are_counted_by_route_path_and_refusal(patched):
     assert got[("prefix_context", path)] == int(values["context_lens"].sum())
 
 
+def test_interval_zero_leaves_the_decode_path_without_an_observer(paged_attn_module):
+    mod = paged_attn_module("0.6.3.post1")
+    off = config.load({config.MODE: "1", config.METRICS_INTERVAL: "0"})
+    assert registry.apply_to(mod, off).reason is None
+    assert paged_attention._patched["decoder"].observer is None
+    registry.revert_all()
+    assert registry.apply_to(mod, ON).reason is None
+    assert paged_attention._patched["decoder"].observer == metrics.TALLY.decode
+
+
 # --------------------------------------------------------------------------- the exporter
 
 

@@ -244,6 +244,7 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     ]))
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
+    sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
     code_problems: Optional[List[str]] = None
     conditional: List[str] = []
     if family is not None and decision.decide(settings).open:
@@ -265,7 +266,6 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
             import vllm  # noqa: F401
         except (Exception, SystemExit) as exc:
             sections[1].checks.append(("FAIL", "import vllm", _import_error(exc)))
-    sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
     result = decision.verdict(settings, info, code_problems,
                               any(s == "ok" for s, _, _ in paths), conditional)
     sections.append(Section("this process (doctor itself, after the checks)",

@@ -172,7 +172,8 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
     reader = ArgReader.for_function(original, family.decode_params, "forward_decode")
     names = reader.params
     decoder = decoder_for(module, settings)
-    decoder.observer = metrics.TALLY.decode  # metrics (issue 23): route, reason, max_seq_len
+    if settings.metrics_interval_s:  # metrics (issue 23): route, reason, max_seq_len per call
+        decoder.observer = metrics.TALLY.decode
     _patched.update(module=module, decoder=decoder)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
