@@ -58,8 +58,10 @@ def test_the_series_add_up_over_the_two_processes(shim):
     assert {w["metrics"]["export"] for w in workers.values()} == {"files"}
     assert _sum(fams, "vllm_bi100:decode_calls") == shim["expected"] == 12
     assert _sum(fams, "vllm_bi100:decode_max_seq_len", "vllm_bi100:decode_max_seq_len_count") == 12
-    le = {s[1]["le"]: s[2] for s in _samples(fams, "vllm_bi100:decode_max_seq_len")
-          if s[0].endswith("_bucket")}
+    le: dict = {}  # cumulative buckets, added up over the routes
+    for s in _samples(fams, "vllm_bi100:decode_max_seq_len"):
+        if s[0].endswith("_bucket"):
+            le[s[1]["le"]] = le.get(s[1]["le"], 0) + s[2]
     assert le["512.0"] == 10 and le["32768.0"] == 10 and le["65536.0"] == 12
     if "corex" in INSTALLED:  # native V1 through 32,768 tokens, no V2: the long ones fall back
         assert _sum(fams, "vllm_bi100:decode_calls", route="native_v1") == 10
