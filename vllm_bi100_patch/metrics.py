@@ -122,22 +122,31 @@ class Tally:
         #: sum of max_seq_len]: a reason (a route row or rule) belongs to one route.
         self._decode: Dict[str, List[Any]] = {}
 
-    def decode(self, route: str, reason: str, max_seq_len: int,
-               _bucket: Callable[..., int] = bisect.bisect_left) -> None:
-        """One decode call (the native decoder's observer): one lookup, three increments, no
-        lock.
+    def decode(self, route: str, reason: str, max_seq_len: int) -> None:
+        """One decode call (what ``decode_observer()`` does, as a method)."""
+        self.decode_observer()(route, reason, max_seq_len)
+
+    def decode_observer(self) -> Callable[[str, str, int], None]:
+        """The native decoder's observer: per call one lookup and three list increments, no
+        lock, no attribute lookups (everything it touches is bound here).
 
         vLLM runs a process's forward passes on one thread, so nothing else increments these
         at the same time; ``snapshot`` copies them in single C calls (atomic under the GIL)
         and may read one call's increments half done (the next flush catches up).  Two
         threads decoding at once in one process could lose an increment of these metrics,
         never corrupt one; the call counters of ``read_counts()`` keep their lock."""
-        entry = self._decode.get(reason)
-        if entry is None:
-            entry = self._decode.setdefault(reason, [route, 0] + [0] * (len(BUCKETS) + 2))
-        entry[1] += 1
-        entry[2 + _bucket(BUCKETS, max_seq_len)] += 1
-        entry[-1] += max_seq_len
+        table, bounds, blank = self._decode, BUCKETS, [0] * (len(BUCKETS) + 2)
+
+        def observe(route: str, reason: str, max_seq_len: int,
+                    _bucket: Callable[..., int] = bisect.bisect_left) -> None:
+            entry = table.get(reason)
+            if entry is None:
+                entry = table.setdefault(reason, [route, 0, *blank])
+            entry[1] += 1
+            entry[2 + _bucket(bounds, max_seq_len)] += 1
+            entry[-1] += max_seq_len
+
+        return observe
 
     def prefix(self, stats: "PrefixStats") -> None:
         """One prefix call, from what the kernel reported."""

@@ -173,7 +173,7 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
     names = reader.params
     decoder = decoder_for(module, settings)
     if settings.metrics_interval_s:  # metrics (issue 23): route, reason, max_seq_len per call
-        decoder.observer = metrics.TALLY.decode
+        decoder.observer = metrics.TALLY.decode_observer()
     _patched.update(module=module, decoder=decoder)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
