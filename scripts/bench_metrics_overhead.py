@@ -11,6 +11,8 @@ of the paired differences.
 
     python3 scripts/bench_metrics_overhead.py [--base /work/base] [--rounds 20]
         [--multiproc-dir]   # with PROMETHEUS_MULTIPROC_DIR set (the exporter writes files)
+        [--cpu N]           # pin both workers to one CPU
+        [--same]            # both workers run the other tree: the method's noise floor
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def main(argv: list) -> int:
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--cpu", type=int, default=None,
                     help="pin both workers to this CPU (less noise on a loaded machine)")
+    ap.add_argument("--same", action="store_true",
+                    help="both workers run --base (an A/A run: the noise floor of the method)")
     ap.add_argument("--multiproc-dir", action="store_true",
                     help="set PROMETHEUS_MULTIPROC_DIR (this tree's exporter writes files)")
     args = ap.parse_args(argv)
@@ -101,7 +105,8 @@ def main(argv: list) -> int:
             extra.update(PROMETHEUS_MULTIPROC_DIR=os.path.join(tmp, "prom"),
                          VLLM_BI100_METRICS_INTERVAL_S="1")
         procs = {"base": _worker(os.path.abspath(args.base), fake, extra),
-                 "this": _worker(ROOT, fake, extra)}
+                 "this": _worker(os.path.abspath(args.base) if args.same else ROOT, fake,
+                                 extra)}
         times: dict = {"base": [], "this": []}
         try:
             for r in range(args.rounds):
@@ -120,7 +125,8 @@ def main(argv: list) -> int:
           f"{'set' if args.multiproc_dir else 'unset'}; routes {procs['this'].route}")  # type: ignore[attr-defined]
     print("| tree | median ns/call | min | max |")
     print("|---|---|---|---|")
-    for name, label in (("base", args.base), ("this", "this tree")):
+    for name, label in (("base", args.base),
+                        ("this", args.base + " again" if args.same else "this tree")):
         t = times[name]
         print(f"| {label} | {statistics.median(t):.0f} | {min(t):.0f} | {max(t):.0f} |")
     print(f"| difference (this - base) | {this - base:+.0f} | {min(times['this']) - min(times['base']):+.0f} "
