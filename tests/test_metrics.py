@@ -17,7 +17,8 @@ from helpers.shim import ROOT, run_python
 
 from fakes.fake_vllm import write_fake_vllm
 from vllm_bi100_patch import config, doctor, metrics, metrics_export, registry, versions
-from vllm_bi100_patch.native import NativeDecoder, Routing, routes
+from vllm_bi100_patch import native
+from vllm_bi100_patch.native import Routing, routes
 from vllm_bi100_patch.patches import paged_attention
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -80,7 +81,7 @@ def _call(max_seq_len, lens=(5, 30)):
     (_Both(), Routing(fallback_above=0), 40, ("fallback", "forced", 40)),
 ])
 def test_the_decoder_reports_route_reason_and_max_seq_len(ops, routing, max_seq_len, seen):
-    decoder = NativeDecoder(ops, routing)
+    decoder = native.build(ops, routing)
     got = []
     decoder.observer = lambda *a: got.append(a)
     decoder.decode(_call(max_seq_len))
@@ -92,11 +93,34 @@ def test_a_stub_kernel_falls_back_as_kernel_absent():
         def paged_attention_v1(self, *args):
             raise NotImplementedError("stub")
 
-    decoder = NativeDecoder(Stub(), Routing())
+    decoder = native.build(Stub(), Routing())
     got = []
     decoder.observer = lambda *a: got.append(a)
     decoder.decode(_call(30))
     assert got == [("fallback", "kernel_absent", 30)]
+
+
+def test_every_counter_a_row_declares_is_on_metrics():
+    """The counters come from the one registry (``counters.snapshot()``): a row's counter
+    without a series of its own (the engine rows' tp_empty_logits, stream_delta,
+    mrope_positions) is exported as ``calls_total{counter=...}``."""
+    from vllm_bi100_patch import table
+    from vllm_bi100_patch.patches import _common
+
+    declared = {name for row in table.PATCHES for name in row.counters}
+    assert {"tp_empty_logits", "stream_delta", "mrope_positions"} <= set(metrics.GENERIC_COUNTS)
+    routes = {"decode_native_v1", "decode_native_v2", "decode_fallback"}  # the decoder's own
+    assert declared == (set(metrics.NAMED_COUNTS) - routes | set(metrics.TOLD_ELSEWHERE)
+                        | set(metrics.GENERIC_COUNTS))
+    for name in sorted(declared):
+        _common.counter(name).add(3)
+    fams = {f[0]: f[3] for f in metrics.families(metrics.snapshot(), None)}
+    for name in metrics.GENERIC_COUNTS:
+        assert ("vllm_bi100:calls_total", (("counter", name),), 3) in fams["vllm_bi100:calls"]
+        assert name in metrics.HELP["calls"]
+    for name, (series, labels) in metrics.NAMED_COUNTS.items():
+        if name not in routes:
+            assert (metrics.PREFIX + series + "_total", labels, 3) in fams[metrics.PREFIX + series]
 
 
 def test_histogram_buckets_around_the_v1_limit():

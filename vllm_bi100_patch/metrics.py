@@ -8,9 +8,11 @@ prometheus_client is imported by ``metrics_export``, and only when it exports.
 
 Two sources, read through one seam, ``snapshot()``:
 
-- ``read_counts()``: the shim's call counters by name, as ``status()["counts"]`` shows them
-  (the patch layer's ``call_counts()``: calls of each patched method, decode routes, block
-  moves, fp8 writes, ...).  This function is the only place that knows where they live;
+- ``read_counts()``: the shim's counters by name, as ``status()["counts"]`` shows them: the
+  one registry, ``counters.snapshot()`` (every counter a row of the table declares: calls of
+  each patched method, block moves, fp8 writes, the engine rows' fixes, ...; then the decode
+  routes).  A counter without a series of its own (``NAMED_COUNTS``) is exported generically
+  as ``calls_total{counter="<name>"}``, so a row added to the table is on /metrics at once;
 - ``TALLY``: what is counted for the metrics only: why each decode took its route and its
   ``max_seq_len`` (reported by the native decoder), prefix calls, tokens and float32 re-runs
   by path (reported by the prefix kernel through ``kernels.prefix.PrefixStats``), and calls
@@ -23,9 +25,10 @@ README's table of series is generated from ``SERIES``.
 from __future__ import annotations
 
 import bisect
-import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from . import counters, table
 
 if TYPE_CHECKING:
     from .kernels.prefix import PrefixStats
@@ -39,7 +42,7 @@ BUCKETS: Tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 13
 PREFIX_PATHS = ("sdpa", "tiled")
 
 #: The ``reason`` label of a decode call, from the route row (or kernel rule) that chose its
-#: route (``native.routes``; ``NativeDecoder.reason_of``).  Every row and rule has one (tested).
+#: route (``native.routes``; ``Facts.reason_name``).  Every row and rule has one (tested).
 REASONS: Dict[str, str] = {
     "occupancy_v1": "occupancy_rule", "occupancy_v2": "occupancy_rule",
     "v1": "only_kernel", "v2": "only_kernel",
@@ -47,7 +50,7 @@ REASONS: Dict[str, str] = {
     "longest": "fallback_above", "v1_length": "above_v1_limit", "fp8": "fp8_cache",
     "blocksparse": "blocksparse", "v2_partition": "block_size",
     "kernel_absent": "kernel_absent",
-    "none_usable": "no_usable_kernel",  # reason_of names the rule instead; kept as a label
+    "none_usable": "no_usable_kernel",  # reason_name names the rule instead; kept as a label
 }
 
 #: Counters of ``read_counts()`` with a series of their own: key -> (series, labels).
@@ -64,6 +67,11 @@ NAMED_COUNTS: Dict[str, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
 }
 #: Counters already told by other series (decode calls by route, prefix calls by path).
 TOLD_ELSEWHERE = ("forward_decode", "forward_prefix")
+#: The counters the table's rows declare that have no series of their own: exported as
+#: ``calls_total{counter=...}`` (so is any counter registered later).
+GENERIC_COUNTS: Tuple[str, ...] = tuple(
+    name for row in table.PATCHES for name in row.counters
+    if name not in NAMED_COUNTS and name not in TOLD_ELSEWHERE)
 
 #: (name without prefix, kind, labels, help): every series, in the README's order.
 SERIES: Tuple[Tuple[str, str, str, str], ...] = (
@@ -96,7 +104,8 @@ SERIES: Tuple[Tuple[str, str, str, str], ...] = (
      "Patched calls that raised (a refused argument, a blocked kernel, ...), by row and "
      "exception type."),
     ("calls", "counter", "counter",
-     "Every other counter of the shim, by its name in status()['counts']."),
+     "Every other counter of the shim, by its name in status()['counts'], from its first "
+     "count: " + ", ".join(GENERIC_COUNTS) + " (the rows of the same names)."),
     ("info", "gauge", "shim_version, vllm_version, family, rows",
      "1 per configuration of the processes that patched: shim and vLLM versions, signature "
      "family, the rows applied (comma list)."),
@@ -225,11 +234,10 @@ def count_refusals(row: str, wrapper: Wrapper) -> Wrapper:
 
 
 def read_counts() -> Dict[str, int]:
-    """THE seam onto the shim's call counters: ``{name: count}`` in this process, as
-    ``status()["counts"]`` shows them (empty before the patch layer is imported).  The only
-    place that knows where the counters live: re-point it when they move."""
-    module = sys.modules.get("vllm_bi100_patch.patches.paged_attention")
-    return module.call_counts() if module is not None else {}  # type: ignore[no-any-return]
+    """THE seam onto the shim's counters: ``{name: count}`` in this process, as
+    ``status()["counts"]`` shows them (``counters.snapshot()``: empty before a patch module
+    registered its counters)."""
+    return counters.snapshot()
 
 
 def snapshot() -> Dict[Key, int]:

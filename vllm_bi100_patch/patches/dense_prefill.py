@@ -20,17 +20,17 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
 from ..kernels import dense
-from ..native import probe
+from ..source import source_tree
 from ..versions import Family
-from .paged_attention import CALL_COUNTS, ArgReader, Wrapper, _count
+from ._common import ArgReader, Wrapper, counter
 
 CLASS = "XFormersImpl"
 METHOD = "_run_memory_efficient_xformers_forward"
 #: The method's parameters after ``self`` (the row's code check includes ``self``).
 PARAMS = ("query", "key", "value", "attn_metadata", "attn_type")
 
-CALL_COUNTS.setdefault("dense_prefill", 0)
-CALL_COUNTS.setdefault("dense_vendor", 0)
+PREFILL_CALLS = counter("dense_prefill")
+VENDOR_CALLS = counter("dense_vendor")
 
 
 def _dotted(node: ast.AST) -> str:
@@ -50,7 +50,7 @@ def uses_ixformer_fwop(func: Callable[..., Any], xops: Any) -> Optional[str]:
     name = getattr(xops, "__name__", None)
     if not isinstance(xops, types.ModuleType) or not str(name).startswith("ixformer"):
         return f"the backend's xops is {name or 'missing'}, not ixformer's"
-    parsed = probe.source_tree(func)
+    parsed = source_tree(func)
     if parsed is None:
         return f"the source of {METHOD} cannot be read"
     built = passed = False
@@ -94,9 +94,9 @@ def make_dense_wrapper(family: Family, original: Callable[..., Any], module: typ
         kind = _kind(attn_type)
         window = getattr(instance, "sliding_window", None)
         if instance.head_size <= limit or (kind != "DECODER" and window is not None):
-            _count("dense_vendor")
+            VENDOR_CALLS.add()
             return wrapped(*args, **kwargs)
-        _count("dense_prefill")
+        PREFILL_CALLS.add()
         if kind == "DECODER":
             q_lens, kv_lens, causal = meta.seq_lens, None, True
         elif kind == "ENCODER":
