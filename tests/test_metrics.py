@@ -225,6 +225,19 @@ def test_files_hold_the_counts_and_old_info_is_zeroed(tmp_path, monkeypatch):
     assert all(n.endswith(f"vllm-bi100-{os.getpid()}.db") for n in names)
 
 
+def test_a_process_where_no_row_applied_exports_nothing_until_one_does():
+    """vLLM 0.6.3's front end imports vllm.sequence (a target module) and, on the official
+    wheel, applies no row there: no exporter, no info series of no rows on /metrics."""
+    from types import SimpleNamespace
+
+    report = SimpleNamespace(vllm_version="0.6.3.post1", family="v0.5.5", applied=[])
+    metrics_export.start(1, report)
+    assert metrics_export.exporter() is None and metrics_export.state()["export"] == "not started"
+    metrics_export.start(1, SimpleNamespace(**dict(vars(report), applied=["stream_delta"])))
+    assert metrics_export.exporter() is not None
+    assert metrics_export.exporter().info["rows"] == "stream_delta"
+
+
 def test_a_directory_that_does_not_exist_is_not_created(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
     exporter = metrics_export.Exporter(5)

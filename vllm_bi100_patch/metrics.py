@@ -107,8 +107,8 @@ SERIES: Tuple[Tuple[str, str, str, str], ...] = (
      "Every other counter of the shim, by its name in status()['counts'], from its first "
      "count: " + ", ".join(GENERIC_COUNTS) + " (the rows of the same names)."),
     ("info", "gauge", "shim_version, vllm_version, family, rows",
-     "1 per configuration of the processes that patched: shim and vLLM versions, signature "
-     "family, the rows applied (comma list)."),
+     "1 per configuration of the processes where a row applied: shim and vLLM versions, "
+     "signature family, the rows applied (comma list)."),
 )
 HELP: Dict[str, str] = {name: text for name, _, _, text in SERIES}
 

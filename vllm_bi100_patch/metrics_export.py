@@ -212,9 +212,12 @@ suppressed = False
 
 def start(interval: int, report: Any) -> None:
     """Export from this process (idempotent; a later call updates the info series with the
-    rows applied so far).  ``report``: the registry's merged report."""
+    rows applied so far).  ``report``: the registry's merged report.  Nothing starts while no
+    row is applied here: a process that only met a target module which needs no row (vLLM
+    0.6.3's front end imports ``vllm.sequence``, where the official wheel needs no
+    ``stream_delta``) counts nothing and would only add an info series of no rows."""
     global _exporter
-    if interval <= 0 or suppressed:
+    if interval <= 0 or suppressed or not report.applied:
         return
     from . import __version__
 
