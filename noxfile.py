@@ -81,7 +81,10 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
-    session.install(TORCH, "numpy", *TEST_DEPS, "setuptools>=61", "wheel")
+    # prometheus_client: tests/test_metrics.py reads the shim's series as vLLM's /metrics
+    # would (a test dependency only: the package imports it lazily, from vLLM's install).
+    session.install(TORCH, "numpy", *TEST_DEPS, "prometheus_client>=0.18", "setuptools>=61",
+                    "wheel")
     _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray",
             "-q",
             *session.posargs)

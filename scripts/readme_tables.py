@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerates the README's generated blocks (environment variables, supported versions).
+"""Regenerates the README's generated blocks (environment variables, supported versions, the
+patch catalogue, the metrics' series).
 
     python scripts/readme_tables.py          # rewrite README.md in place
     python scripts/readme_tables.py --check  # exit 1 if README.md is out of date
@@ -18,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vllm_bi100_patch import config, table, versions  # noqa: E402
+from vllm_bi100_patch import config, metrics, table, versions  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 
@@ -68,7 +69,7 @@ def versions_block() -> str:
 
 
 BLOCKS = {"env-table": config.env_table, "versions-table": versions_block,
-          "catalogue": table.catalogue}
+          "catalogue": table.catalogue, "metrics-table": metrics.series_table}
 
 
 def render(text: str) -> str:

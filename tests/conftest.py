@@ -38,6 +38,9 @@ def reset_shim_state() -> None:
         import_guard.uninstall()
     if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
         sys.modules["vllm_bi100_patch.patches.paged_attention"].reset_call_counts()
+    if "vllm_bi100_patch.metrics_export" in sys.modules:
+        sys.modules["vllm_bi100_patch.metrics_export"].stop()
+        sys.modules["vllm_bi100_patch.metrics_export"].suppressed = False
     logging.getLogger("vllm.bi100_patch").setLevel(logging.NOTSET)
 
 

@@ -52,7 +52,8 @@ def revert() -> Dict[str, Any]:
 
 def status() -> Dict[str, Any]:
     """Facts about this process: configuration, vLLM version and family, what is patched,
-    the import guard, call and route counters. Imports nothing heavy, patches nothing.
+    the import guard, call and route counters, where the metrics go. Imports nothing heavy,
+    patches nothing.
 
     ``mode`` and ``disabled`` are the configuration this process acted on (read at its
     activation); when the environment says otherwise now, ``config_live`` holds what it says
@@ -78,6 +79,7 @@ def status() -> Dict[str, Any]:
         "native_ops": None,
         "serving_path": versions.serving_path_note(info),
         "config_live": None,
+        "metrics": {"export": "not started"},
     }
     if (live.mode, live.raw.get(config.MODE), live.disabled) != (
             settings.mode, settings.raw.get(config.MODE), settings.disabled):
@@ -99,4 +101,8 @@ def status() -> Dict[str, Any]:
 
             data["native_ops"] = paged_attention.native_profile()
         data["import_guard"] = import_guard.state()
+        if "vllm_bi100_patch.metrics_export" in sys.modules:
+            from . import metrics_export
+
+            data["metrics"] = metrics_export.state()
     return data

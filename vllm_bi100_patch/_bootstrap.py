@@ -194,6 +194,7 @@ def _on_target(module: Any) -> None:
 
         guard = "on" if import_guard.installed() else "off"
         _state.enter(*_outcome(report, guard))
+        _export_metrics(report)
         if this.reason is not None:
             _strict_mode.raise_or_log(this.reason, _state.strict)  # apply_to warned already
             return
@@ -207,6 +208,19 @@ def _on_target(module: Any) -> None:
                  "guard %s; activated by %s (pid %d)", report.vllm_version, report.family,
                  ", ".join(report.applied) or "nothing", skipped, guard,
                  ",".join(_state.sources), os.getpid())
+
+
+def _export_metrics(report: Any) -> None:
+    """The shim's series on vLLM's /metrics from this process (metrics_export.start: a
+    daemon thread, nothing on the hot path); never raises into the host."""
+    try:
+        from . import metrics_export
+
+        assert _state.settings is not None
+        metrics_export.start(_state.settings.metrics_interval_s, report)
+    except Exception as exc:
+        log.warning("vllm-bi100-patch: metrics export not started (%s: %s)",
+                    type(exc).__name__, exc)
 
 
 def _outcome(report: Any, guard: str) -> Tuple[Phase, str]:

@@ -33,6 +33,7 @@ SM_OCCUPANCY = "VLLM_BI100_SM_OCCUPANCY"
 SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
 V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 DENSE_HEAD_MAX = "VLLM_BI100_DENSE_HEAD_MAX"
+METRICS_INTERVAL = "VLLM_BI100_METRICS_INTERVAL_S"
 
 #: Names accepted in VLLM_BI100_PATCH_DISABLE: one per row of the patch table.
 PATCH_NAMES: Tuple[str, ...] = table.names()
@@ -86,6 +87,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "prefix (and the profiling run) on builds whose XFormers backend uses ixformer's "
              "`FwOp`; larger heads take the pure-PyTorch varlen attention (row "
              "`dense_prefill`)."),
+    Variable(METRICS_INTERVAL, "5", "integer >= 0",
+             "Seconds between two writes of a process's `vllm_bi100:` series to "
+             "`PROMETHEUS_MULTIPROC_DIR` (where vLLM set it up): the most the shim's series on "
+             "`/metrics` lag behind (see Metrics). `0`: the shim exports nothing."),
 )
 
 
@@ -94,14 +99,15 @@ class Settings:
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
-                 "dense_head_max", "errors", "raw")
+                 "dense_head_max", "metrics_interval_s", "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
                  prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
                  sm_occupancy: int = 1, subscription: int = 5,
                  v1_max_seq_len: Optional[int] = None, dense_head_max: int = 128,
-                 errors: Tuple[str, ...] = (), raw: Optional[Mapping[str, str]] = None) -> None:
+                 metrics_interval_s: int = 5, errors: Tuple[str, ...] = (),
+                 raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
         self.strict = strict
@@ -113,6 +119,7 @@ class Settings:
         self.subscription = subscription
         self.v1_max_seq_len = v1_max_seq_len
         self.dense_head_max = dense_head_max
+        self.metrics_interval_s = metrics_interval_s
         self.errors = errors
         #: Every VLLM_BI100_* variable that was set, exactly as given.
         self.raw: Dict[str, str] = dict(raw or {})
@@ -208,6 +215,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     SUBSCRIPTION: ("subscription", _int_parser(1)),
     V1_MAX_SEQ_LEN: ("v1_max_seq_len", _int_parser(1)),
     DENSE_HEAD_MAX: ("dense_head_max", _int_parser(1)),
+    METRICS_INTERVAL: ("metrics_interval_s", _int_parser(0)),
 }
 
 

@@ -35,7 +35,7 @@ class Section:
 
 STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
                "supported", "serving_path", "active", "decision", "activated_by", "patched",
-               "import_guard", "native_ops", "counts", "config_errors", "last_error",
+               "import_guard", "native_ops", "counts", "metrics", "config_errors", "last_error",
                "config_live"]
 
 
@@ -159,6 +159,48 @@ def _native_section(settings: config.Settings) -> Section:
     return Section("native decode kernels", checks)
 
 
+def metrics_checks(settings: config.Settings, info: versions.VersionInfo,
+                   environ: Optional[Dict[str, str]] = None) -> List[Check]:
+    """Whether this environment's processes will put the shim's series on vLLM's /metrics,
+    how, and under which names (README "Metrics")."""
+    from . import metrics
+
+    env = os.environ if environ is None else environ
+    names: Check = ("info", "names", ", ".join(metrics.names()))
+    interval = settings.metrics_interval_s
+    if settings.off:
+        return [("info", "export", "none: the shim is off, /metrics is stock vLLM's")]
+    if interval == 0:
+        return [("info", "export", f"none: {config.METRICS_INTERVAL}=0")]
+    if importlib.util.find_spec("prometheus_client") is None:
+        return [("info", "export", "none: prometheus_client is not installed (vLLM's /metrics "
+                 "needs it too)")]
+    path = env.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        if not os.path.isdir(path):
+            return [("WARN", "export", f"none: PROMETHEUS_MULTIPROC_DIR={path} is not a "
+                     "directory (the shim never creates it)"), names]
+        return [("ok", "export", f"every process that patches writes its counts to "
+                 f"multiprocess files in PROMETHEUS_MULTIPROC_DIR={path} every {interval} s "
+                 "(at most that stale); vLLM's /metrics adds them up over processes"), names]
+    v1 = (info.version is not None and info.version.release >= (0, 8)
+          and env.get("VLLM_USE_V1", "") != "0")
+    if v1:
+        return [("WARN", "export", "not on /metrics by default: vLLM's V1 engine (0.8 and "
+                 "later) keeps a single-process registry in its API server unless it runs "
+                 "several (--api-server-count > 1) or PROMETHEUS_MULTIPROC_DIR is set, and the "
+                 "shim counts in the engine-core and worker processes, whose registries nobody "
+                 "serves. Set PROMETHEUS_MULTIPROC_DIR to an empty directory for the server "
+                 "(vLLM's own multiprocess mode) to see them; the counts stay in status() and "
+                 "each process's exit line"), names]
+    return [("ok", "export", "`vllm serve` (its multiprocessing front end, the default) sets "
+             "PROMETHEUS_MULTIPROC_DIR for the engine and its workers: each writes its counts "
+             f"there every {interval} s and /metrics adds them up; with "
+             "--disable-frontend-multiprocessing the engine process serves them from its own "
+             "registry when scraped (tensor-parallel workers other than the driver are other "
+             "processes and do not appear)"), names]
+
+
 def _config_section(settings: config.Settings) -> Section:
     checks: List[Check] = []
     for var in config.VARIABLES:
@@ -177,6 +219,9 @@ def _config_section(settings: config.Settings) -> Section:
 
 def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     """Every section, in order, and the verdict from what they found."""
+    from . import metrics_export
+
+    metrics_export.suppressed = True  # doctor patches in its own process: it exports nothing
     settings = config.load()
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
@@ -184,6 +229,7 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
                 _hardware_section(info)]
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
+    sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
     code_problems: Optional[List[str]] = None
     conditional: List[str] = []
     if family is not None and decision.decide(settings).open:

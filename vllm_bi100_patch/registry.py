@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import config, decision, versions
+from . import config, decision, metrics, versions
 from .rows import SPECS as SPECS  # re-exported: registry.SPECS, registry.specs_for, ...
 from .rows import PatchSpec as PatchSpec
 from .rows import check_descriptor as check_descriptor
@@ -237,6 +237,7 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
             _originals[key] = desc
             func = desc if spec.instance_method else desc.__func__
             wrapper = spec.factory()(family, func, module, settings)
+            wrapper = metrics.count_refusals(spec.name, wrapper)  # metrics (issue 23)
             label = (f"{spec.owner}.{spec.attr} (vLLM {report.vllm_version}, family "
                      f"{family.name})")
             new: Any = PatchWrapper(func, wrapper, label)

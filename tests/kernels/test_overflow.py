@@ -112,10 +112,14 @@ def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch
     bt = torch.stack([quiet[5][0], loud[5][0] + blocks])
     args = (*both, kc, vc, bt, torch.tensor([0, 4, 8], dtype=torch.int32),
             torch.tensor([68, 68], dtype=torch.int32), torch.tensor([64, 64], dtype=torch.int32))
-    out = paged_prefix(*args)
+    stats = prefix.PrefixStats()
+    out = paged_prefix(*args, stats=stats)
     assert torch.equal(out[4:].float(), torch.full(out[4:].shape, 1000.0))
     warned = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
     assert len(warned) == 1 and "4 rows past the range" in warned[0], warned
+    # What the patch layer counts (metrics): one sequence re-run, the tokens once.
+    assert stats.fp32_reruns == 1 and stats.sequences == {"sdpa": 0, "tiled": 2}
+    assert stats.tokens == {"sdpa": 0, "tiled": 8}
     caplog.clear()
     alone = paged_prefix(*quiet)
     assert torch.equal(out[:4], alone) and not caplog.records

@@ -292,3 +292,23 @@ def test_decreasing_query_start_loc_is_named_before_seq_lens():
     args[6] = torch.tensor([0, 10, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing.*\[0, 10, 5\]"):
         paged_prefix(*args)
+
+
+def test_stats_report_paths_tokens_and_context(path):
+    """What a call did, as the patch layer counts it (metrics): per path, the sequences with
+    new tokens, their new tokens and their cached context; a sequence without new tokens is
+    not attended and not counted."""
+    contexts, news = [0, 17, 40, 5], [5, 3, 9, 0]
+    stats = prefix.PrefixStats()
+    _run(_case(torch.float32, 64, 4, 2, 16, contexts, news), stats=stats)
+    other = "tiled" if path == "sdpa" else "sdpa"
+    assert stats.sequences == {path: 3, other: 0}
+    assert stats.tokens == {path: 17, other: 0} and stats.context == {path: 57, other: 0}
+    assert stats.fp32_reruns == 0 and stats.path == path
+
+
+def test_stats_path_names_a_mixed_call():
+    stats = prefix.PrefixStats()
+    assert stats.path == "none"
+    stats.sequences.update(sdpa=1, tiled=2)
+    assert stats.path == "mixed"

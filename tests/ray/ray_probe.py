@@ -5,6 +5,11 @@ dashboard, no usage stats), runs one task in a Ray worker process, and stops the
 task imports vLLM's ``paged_attn`` (and the backend utils the ``prefix_block_table`` row
 targets), calls the patched ``forward_decode`` once and returns the shim's ``status()``, the
 worker's pid and the addresses the cluster's processes listen on.  Prints one report line.
+
+As vLLM 0.6.3's multiprocessing front end does before its engine process starts Ray,
+``PROMETHEUS_MULTIPROC_DIR`` is set first: the Ray worker inherits it, and its shim writes its
+``vllm_bi100:`` series there (the task waits for one flush); the probe reads them back as
+vLLM's /metrics would.
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ def worker_task():
     kv = torch.randn(PagedAttention.get_kv_cache_shape(2, 16, 2, 64))
     kc, vc = PagedAttention.split_kv_cache(kv, 2, 64)
     out = _decode(PagedAttention, torch.randn(1, 4, 64), kc, vc)
+    import time
+
+    from vllm_bi100_patch import metrics_export
+
+    exporter, deadline = metrics_export.exporter(), time.time() + 20
+    flushes = exporter.flushes if exporter is not None else 0
+    while exporter is not None and exporter.flushes <= flushes and time.time() < deadline:
+        time.sleep(0.1)  # one flush after the decode (VLLM_BI100_METRICS_INTERVAL_S=1)
     return {"pid": os.getpid(), "status": vllm_bi100_patch.status(),
             "is_ours": registry.is_ours(vars(PagedAttention)["forward_decode"]),
             "finite": bool(torch.isfinite(out).all()), "env": os.environ.get("VLLM_BI100_PATCH")}
@@ -75,6 +88,8 @@ def main() -> None:
     import ray
 
     tmp = tempfile.mkdtemp(prefix="bi100-ray-")
+    prom = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="bi100-prom-")
+    os.environ["VLLM_BI100_METRICS_INTERVAL_S"] = "1"
     ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=1,
              _temp_dir=tmp, configure_logging=False, log_to_driver=True)
     try:
@@ -90,8 +105,13 @@ def main() -> None:
     left = [p.pid for p in alive]
     for p in alive:  # never leave a cluster behind, even when the test then fails
         p.kill()
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    calls = sum(s.value for m in MultiProcessCollector(None, path=prom).collect()
+                for s in m.samples if s.name == "vllm_bi100:decode_calls_total")
+    files = [f for f in os.listdir(prom) if "vllm-bi100" in f]
     report(driver_pid=os.getpid(), worker=result, sockets=sockets, nodes=nodes,
-           children_left=left)
+           children_left=left, metrics_calls=calls, metrics_files=files)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ def test_ray_worker_runs_the_shim():
     assert st["active"] is True and {"sitecustomize", "pth"} & set(st["activated_by"])
     assert worker["is_ours"] and {"forward_decode", "forward_prefix"} <= set(st["patched"])
     assert st["counts"]["forward_decode"] == 1 and worker["finite"]
+    # Its series, in the PROMETHEUS_MULTIPROC_DIR it inherited, as vLLM's /metrics reads them.
+    assert st["metrics"]["export"] == "files" and result["metrics_calls"] == 1
+    assert f"counter_vllm-bi100-{worker['pid']}.db" in result["metrics_files"]
     if "+corex" in (st["vllm_version"] or "") or st["vllm_version"] == "0.6.3.post1":
         assert "prefix_block_table" in st["report"]["applied"]
     # The shim's INFO line, logged in the worker and forwarded to the driver by Ray.

@@ -58,6 +58,15 @@ def base_url(port: int) -> str:
     return f"http://{LOOPBACK}:{port}"
 
 
+def http_text(url: str, timeout: float = 10) -> str:
+    """GET ``url`` on 127.0.0.1 as text (e.g. ``/metrics``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname != LOOPBACK:
+        raise ValueError(f"url={url!r}: only http://{LOOPBACK} is ever contacted")
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode("utf-8", "replace")
+
+
 def http_json(url: str, body: Optional[dict] = None, timeout: float = 10) -> Any:
     """GET (``body`` None) or POST JSON to ``url`` on 127.0.0.1; return the decoded answer."""
     parts = urllib.parse.urlsplit(url)

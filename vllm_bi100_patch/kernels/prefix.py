@@ -33,10 +33,10 @@ from ._common import (
     check_int_tensor,
     scale_factor,
 )
-from ._attend import attend
+from ._attend import PrefixStats, attend
 from ._prefix_plan import PrefixInputs, SeqSpan, sdpa_path_ok
 
-__all__ = ["DEFAULT_BUDGET_MB", "alibi_window", "paged_prefix", "sdpa_path_ok"]
+__all__ = ["DEFAULT_BUDGET_MB", "PrefixStats", "alibi_window", "paged_prefix", "sdpa_path_ok"]
 
 #: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
 FORCE_PATH: Optional[str] = None
@@ -64,6 +64,7 @@ def paged_prefix(
     k_scale: ScaleLike = 1.0,
     v_scale: ScaleLike = 1.0,
     budget_mb: Optional[int] = None,
+    stats: Optional[PrefixStats] = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached context plus themselves.
 
@@ -86,6 +87,8 @@ def paged_prefix(
         budget_mb: peak extra memory per call in MiB; ``None`` means
             ``DEFAULT_BUDGET_MB`` (256).  The kernel never reads the environment: the shim
             passes its ``VLLM_BI100_PREFIX_BUDGET_MB`` setting.
+        stats: a ``PrefixStats`` to fill in with what this call did (paths, tokens, float32
+            re-runs); ``None``: nothing is recorded.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in the query's dtype.  Rows not covered by
@@ -148,7 +151,7 @@ def paged_prefix(
     out = torch.zeros_like(query)
     seqs = [SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
             for i in range(batch)]
-    attend(inp, seqs, budget << 20, out, FORCE_PATH)
+    attend(inp, seqs, budget << 20, out, FORCE_PATH, stats=stats)
     return out
 
 

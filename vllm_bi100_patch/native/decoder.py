@@ -11,7 +11,7 @@ reverse: ``RouteSource`` says what the decoder asks of it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 
@@ -59,6 +59,10 @@ class CallFacts(Protocol):
     def reason(self) -> str:
         """Why the chosen row falls back."""
 
+    def reason_name(self) -> str:
+        """The name of why the call took its route (metrics, issue 23): the chosen row's name,
+        or for the row where no kernel is usable, the kernel rule that excluded one."""
+
 
 class RouteSource(Protocol):
     """What the decoder asks of its route table (``routes.RouteTable``)."""
@@ -80,6 +84,11 @@ class RouteSource(Protocol):
 
 class NativeDecoder:
     """The native decode of one ops object (None: no native ops) through its route table."""
+
+    #: Metrics (issue 23): called once per counted decode with ``(route, reason name,
+    #: max_seq_len)`` (``CallFacts.reason_name``); set by the patch layer, which counts what
+    #: the decoder reports (the decoder imports no metrics).  None: nothing is reported.
+    observer: Optional[Callable[[str, str, int], None]] = None
 
     def __init__(self, ops: Any, routes: RouteSource, budget_mb: int = DEFAULT_BUDGET_MB) -> None:
         self.ops = ops
@@ -109,6 +118,9 @@ class NativeDecoder:
             out = torch.empty_like(call.query)
             if self._run(kernel, call, out, route == "native_v2"):
                 _count_route(route)
+                observer = self.observer
+                if observer is not None:  # metrics (issue 23)
+                    observer(route, facts.reason_name(), call.max_seq_len)
                 return out
             route, kernel, facts = self.routes.route(call)  # that kernel was a stub, now absent
         if facts.blocksparse:
@@ -118,6 +130,9 @@ class NativeDecoder:
                 f"({facts.reason()}); the pure-PyTorch decode does not implement block "
                 "sparsity")
         _count_route("fallback")
+        observer = self.observer
+        if observer is not None:  # metrics (issue 23)
+            observer("fallback", facts.reason_name(), call.max_seq_len)
         return paged_decode(call.query, call.key_cache, call.value_cache, call.block_tables,
                             call.seq_lens, call.scale, alibi_slopes=call.alibi_slopes,
                             kv_cache_dtype=call.kv_cache_dtype, k_scale=call.k_scale,

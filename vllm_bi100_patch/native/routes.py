@@ -222,6 +222,21 @@ class Facts:
         """Why the chosen row falls back (empty for a native row)."""
         return self.row.reason(self.table, self) if self.row is not None else ""
 
+    def reason_name(self) -> str:
+        """Why the call took its route, as the metrics' ``reason`` (issue 23): the row's name;
+        for ``none_usable``, the rule that excluded the first present kernel (V1 first), or
+        ``"kernel_absent"``."""
+        row, profile = self.row, self.table.profile
+        assert row is not None
+        if row.name != "none_usable" or profile is None:
+            return row.name
+        for kernel in (profile.v1, profile.v2):
+            if kernel.present:
+                rule = self.table.excluded_by(kernel, self)
+                if rule is not None:
+                    return rule.name
+        return "kernel_absent"
+
     def usable(self, which: str) -> bool:
         got = self._usable.get(which)
         if got is None:

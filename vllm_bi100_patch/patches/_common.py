@@ -24,7 +24,7 @@ import os
 import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
-from .. import config, counters, table
+from .. import config, counters, metrics, table
 from .. import native  # noqa: F401  (its decoder registers the decode route counters)
 from .._log import log
 from ..counters import Counter
@@ -72,8 +72,10 @@ def call_counts() -> Dict[str, int]:
 
 
 def reset_call_counts() -> None:
-    """Zero the call counters and the decode route counters."""
+    """Zero the call counters, the decode route counters and the metrics' own tally (decode
+    reasons and lengths, prefix paths, refusals: ``metrics.TALLY``)."""
     counters.reset()
+    metrics.TALLY.reset()
 
 
 def log_counts() -> None:

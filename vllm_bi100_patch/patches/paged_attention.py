@@ -13,8 +13,9 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from .. import config, hardware, native
+from .. import config, hardware, metrics, native
 from ..kernels import paged_prefix
+from ..kernels.prefix import PrefixStats
 from ..native import DecodeCall, NativeDecoder
 from ..versions import Family
 from ._common import ArgReader, Wrapper, counter
@@ -89,14 +90,20 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
                                     DECODE_CALLS)
     names = reader.params
     decoder = decoder_for(module, settings)
+    if settings.metrics_interval_s:  # metrics (issue 23): route, reason, max_seq_len per call
+        decoder.observer = metrics.TALLY.decode_observer()
     _patched.update(module=module, decoder=decoder)
 
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
-        return decoder.decode(decode_call(values))
+        try:
+            values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
+            return decoder.decode(decode_call(values))
+        except Exception as exc:  # metrics (issue 23): refusals counted here, no extra frame
+            metrics.TALLY.refused("decode", exc)
+            raise
 
-    return forward_decode
+    return metrics.counts_own_refusals(forward_decode)
 
 
 def make_prefix_wrapper(family: Family, original: Callable[..., Any],
@@ -118,13 +125,16 @@ def make_prefix_wrapper(family: Family, original: Callable[..., Any],
         window = v[index["sliding_window"]]
         if window is not None and window <= 0:
             window = None
-        return paged_prefix(
+        stats = PrefixStats()  # metrics (issue 23): what the kernel did, counted below
+        out = paged_prefix(
             v[index["query"]], v[index["key"]], v[index["value"]], v[index["key_cache"]],
             v[index["value_cache"]], v[index["block_tables"]], query_start_loc, seq_lens,
             context_lens, alibi_slopes=v[index["alibi_slopes"]], sliding_window=window,
             kv_cache_dtype=v[index["kv_cache_dtype"]] if "kv_cache_dtype" in index else "auto",
             k_scale=v[index["k_scale"]] if "k_scale" in index else 1.0,
             v_scale=v[index["v_scale"]] if "v_scale" in index else 1.0,
-            budget_mb=budget)
+            budget_mb=budget, stats=stats)
+        metrics.TALLY.prefix(stats)
+        return out
 
     return forward_prefix
