@@ -129,14 +129,14 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
 Check = Tuple[PatchSpec, str, str]
 
 
-def check_rows(module: types.ModuleType, family: versions.Family,
-               specs: List[PatchSpec]) -> List[Check]:
+def check_rows(module: types.ModuleType, family: versions.Family, specs: List[PatchSpec],
+               settings: config.Settings) -> List[Check]:
     """Check ``specs`` against ``module``: a conditional row is first asked whether this build
     needs it (only needed rows are code-checked), then each row's code is checked. The one loop
     both ``apply_to`` and doctor use; the owner classes must exist (see ``missing_classes``)."""
     out: List[Check] = []
     for spec in specs:
-        unneeded = spec.not_needed(module)
+        unneeded = spec.not_needed(module, settings)
         if unneeded:
             out.append((spec, "unneeded", unneeded))
             continue
@@ -161,7 +161,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool =
         info = versions.installed_vllm_version()
         report.vllm_version = info.raw
         specs = specs_for(module.__name__)
-        missing = missing_classes(module)
+        missing = missing_classes(module, settings)
         for spec in specs:
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
@@ -176,7 +176,8 @@ def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool =
             assert family is not None
             failures = []
             for spec, outcome, detail in check_rows(module, family,
-                                                    _enabled_specs(settings, module.__name__)):
+                                                    _enabled_specs(settings, module.__name__),
+                                                    settings):
                 if outcome == "unneeded":
                     report.skipped[spec.name] = "not needed: " + detail
                     continue

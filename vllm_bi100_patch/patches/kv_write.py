@@ -45,7 +45,7 @@ def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
     return not reads
 
 
-def write_needed(module: types.ModuleType) -> Optional[str]:
+def write_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``ops.reshape_and_cache`` drops ``kv_cache_dtype``, else why
     the patch is not needed."""
     ops = vars(module).get("ops")
