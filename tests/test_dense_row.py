@@ -184,3 +184,25 @@ def test_opt_in_refuses_other_shapes_with_the_reason_and_one_warning(backend, ca
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and why in warnings[0], warnings
     assert "prompts keep the backend's own kernel" in warnings[0]
+
+
+@pytest.mark.parametrize("attn_type,causal", [("DECODER", True), ("encoder_only", False),
+                                              ("ENCODER", False), ("unknown_kind", None)])
+def test_attention_types(backend, attn_type, causal):
+    """Each of vLLM's attention types gets its lengths and mask (0.7's string ``encoder_only``
+    included); a type the row does not know keeps the backend's kernel."""
+    mod = backend("xformers.ops", STOCK_SHAPE_BODY)
+    registry.apply_to(mod, config.load(OPT_IN))
+    q, k, v = _qkv(64)
+
+    class Types(Meta):
+        encoder_seq_lens = [5, 3]
+
+    out = mod.XFormersImpl(4, 64, 2)._run_memory_efficient_xformers_forward(
+        q, k, v, Types(), attn_type=attn_type)
+    if causal is None:
+        assert mod.CALLS == [64] and torch.all(out == 7.0)
+        return
+    lens = [5, 3] if attn_type == "ENCODER" else [3, 5]
+    assert mod.CALLS == []
+    assert torch.equal(out, dense.varlen_attention(q, k, v, lens, 64 ** -0.5, causal=causal))

@@ -132,6 +132,15 @@ def dense_needed(module: types.ModuleType, settings: config.Settings) -> Optiona
     return reason
 
 
+#: Per attention type (vLLM's ``AttentionType``): the metadata field of the query lengths, of
+#: the key lengths (None: the same), and whether it is causal.  ``ENCODER_ONLY`` (0.7) is
+#: non-causal over ``seq_lens``; ``ENCODER_DECODER`` is decoder queries over the encoder's
+#: keys.  Other types keep the backend's kernel.
+KINDS = {"DECODER": ("seq_lens", None, True), "ENCODER": ("encoder_seq_lens", None, False),
+         "ENCODER_ONLY": ("seq_lens", None, False),
+         "ENCODER_DECODER": ("seq_lens", "encoder_seq_lens", False)}
+
+
 def _kind(attn_type: Any) -> str:
     return str(getattr(attn_type, "name", attn_type)).rsplit(".", 1)[-1].upper()
 
@@ -149,17 +158,14 @@ def make_dense_wrapper(family: Family, original: Callable[..., Any], module: typ
         query, key, value, meta, attn_type = reader.read(args, kwargs)
         kind = _kind(attn_type)
         window = getattr(instance, "sliding_window", None)
-        if (instance.head_size <= limit and not every_head) \
+        if (instance.head_size <= limit and not every_head) or kind not in KINDS \
                 or (kind != "DECODER" and window is not None):
             _count("dense_vendor")
             return wrapped(*args, **kwargs)
         _count("dense_prefill")
-        if kind == "DECODER":
-            q_lens, kv_lens, causal = meta.seq_lens, None, True
-        elif kind == "ENCODER":
-            q_lens, kv_lens, causal = meta.encoder_seq_lens, None, False
-        else:  # ENCODER_DECODER: decoder queries over the encoder's keys
-            q_lens, kv_lens, causal = meta.seq_lens, meta.encoder_seq_lens, False
+        q_field, kv_field, causal = KINDS[kind]
+        q_lens = getattr(meta, q_field)
+        kv_lens = None if kv_field is None else getattr(meta, kv_field)
         if q_lens is None:
             raise ValueError(f"{METHOD}: attn_metadata has no sequence lengths for {kind} "
                              "attention")
