@@ -64,7 +64,14 @@ def compare(eng, a: str = "first", b: str = "again") -> dict:
             "layers": sorted({layer for layer, _ in both})}
 
 
+def _counts():
+    import vllm_bi100_patch
+
+    return vllm_bi100_patch.status()["counts"]
+
+
 def same_prompt(length: int, chunked: bool):
+    before = _counts()
     eng = driver.Engine(chunked=chunked)
     prompt = driver._prompt(length, 21)
     # The first request shares its steps with another prompt of 4 tokens, then its decodes;
@@ -82,6 +89,7 @@ def same_prompt(length: int, chunked: bool):
     eng.add("mate_3", driver._prompt(57, 24), 2)
     eng.run()
     eng.extra["same_prompt"] = dict(compare(eng), length=length, chunked=chunked)
+    eng.extra["counts"] = {k: v - before.get(k, 0) for k, v in _counts().items()}  # this one
     return eng
 
 
