@@ -176,10 +176,11 @@ PATCHES: Tuple[Patch, ...] = (
             "vLLM's memory-profiling run at start-up, through `ixformer.contrib.xformers`' "
             "flash `FwOp`, which fails above head size 128: a causal bias raises, a mask "
             "returns wrong values silently; a head-256 model cannot start, or answers garbage. "
-            "And wherever the backend's own kernel computes a prompt's first chunk, the same "
-            "prompt gets its rows from two kernels (that one uncached, the shim's prefix "
-            "kernel after a prefix-cache hit or in a later chunk), which differ in the last "
-            "bits: a greedy completion can change",
+            "And wherever the backend's own kernel computes a prompt (a batch without context: "
+            "whole prompts, chunked prefill off as CoreX 3.2.3 runs it up to 32K tokens), the "
+            "same prompt sent again gets its rows from the shim's prefix kernel (its "
+            "prefix-cache hit): two kernels, which differ in the last bits, so a greedy "
+            "completion can change",
         how="only where the backend's `xops` is ixformer's and the method passes "
             "`xops.fmha.flash.FwOp()` as `op=`: head sizes above `VLLM_BI100_DENSE_HEAD_MAX` "
             "(128) go to the pure-PyTorch varlen attention `kernels.dense` (causal, GQA, "
