@@ -42,6 +42,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
 
 from helpers.probes import report  # noqa: E402
+from vllm_glue import (  # noqa: E402
+    Runner,
+    _fake_xformers,
+    _forward,
+    _inputs,
+    _logprob,
+    _native_cache_write,
+    _path_counts,
+    _prompt_path,
+    _reshape_and_cache_cpu,
+    _swap,
+    seq_table,
+)
 
 BLOCK = 16
 CHUNK = 32
@@ -51,15 +64,6 @@ MAX_LEN = 512
 #: The attention layers of this driver process (``main``'s options): head size, number of
 #: layers, the dtype of Q/K/V and the cache, and the kernels' compute mode (None: by device).
 SHAPE = {"head_size": HEAD_SIZE, "layers": 1, "dtype": "float32", "compute": None}
-
-
-def _fake_xformers() -> None:
-    """vLLM's XFormers backend imports ``xformers``, which has no CPU build: put the tests'
-    CPU stand-in first on sys.path when the real one is not importable."""
-    import importlib.util
-
-    if importlib.util.find_spec("xformers") is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fakes", "fake_xformers"))
 
 
 class Tables:
@@ -84,61 +88,6 @@ class Tables:
         return q, k, v
 
 
-class Runner:
-    """What ``ModelInputForGPUBuilder`` and the metadata builder read of a model runner."""
-
-    def __init__(self, scheduler_config, block_size: int, num_blocks: int) -> None:
-        import numpy as np
-        import torch
-        from vllm.attention.backends.xformers import XFormersBackend
-        from vllm.worker.model_runner import ModelInputForGPU
-
-        self.scheduler_config = scheduler_config
-        self.block_size = block_size
-        self.attn_backend = XFormersBackend
-        self._model_input_cls = ModelInputForGPU
-        self.inter_data_cache: dict = {}
-        self.sliding_window = None
-        self.lora_config = None
-        self.prompt_adapter_config = None
-        self.multi_modal_input_mapper = None
-        self.model_is_mrope = False
-        self.device = torch.device("cpu")
-        self.pin_memory = False
-        self.max_seq_len_to_capture = MAX_LEN
-        self.max_batchsize_to_capture = 0
-        self.graph_block_tables = np.zeros((1, num_blocks), dtype=np.int32)
-        self.model_config = _ModelConfig()
-
-    def get_max_block_per_batch(self) -> int:
-        return self.graph_block_tables.shape[1]
-
-
-class _ModelConfig:
-    is_encoder_decoder_model = False
-    is_encoder_decoder = False
-    enforce_eager = True
-    hf_config = None
-    uses_mrope = False
-
-
-def _reshape_and_cache_cpu():
-    """A test-side ``reshape_and_cache`` for official CUDA wheels on a CPU torch (their native
-    op is missing); the vendor stand-in brings its own (fake ixformer)."""
-    import torch
-
-    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
-        x = key_cache.shape[4]
-        for t, slot in enumerate(slot_mapping.tolist()):
-            if slot < 0:
-                continue
-            blk, off = divmod(slot, key_cache.shape[3])
-            key_cache[blk, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
-            value_cache[blk, :, :, off] = value[t]
-
-    return torch, reshape_and_cache
-
-
 class Engine:
     """The scheduler, the caches, one attention layer and the reference check."""
 
@@ -156,7 +105,7 @@ class Engine:
         from vllm.attention.ops.paged_attn import PagedAttention
         import vllm._custom_ops as ops
 
-        if not _native_cache_write():
+        if not _native_cache_write(BLOCK, KV_HEADS, HEAD_SIZE):
             ops.reshape_and_cache = _reshape_and_cache_cpu()[1]
         self.sched_config = SchedulerConfig(max_num_batched_tokens=CHUNK if chunked else MAX_LEN,
                                             max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
@@ -168,7 +117,7 @@ class Engine:
         cache_config.num_gpu_blocks = num_gpu_blocks
         cache_config.num_cpu_blocks = num_cpu_blocks
         self.scheduler = Scheduler(self.sched_config, cache_config, None)
-        self.runner = Runner(self.sched_config, BLOCK, num_gpu_blocks)
+        self.runner = Runner(self.sched_config, BLOCK, num_gpu_blocks, MAX_LEN)
         self.head_size = head = SHAPE["head_size"]
         self.dtype = getattr(torch, SHAPE["dtype"])
         self.impl = XFormersImpl(HEADS, head, head ** -0.5, KV_HEADS, None, None, "auto")
@@ -336,91 +285,6 @@ def _seq_rows(metas):
     for meta in metas:
         for seq_id in meta.seq_data:
             yield seq_id, meta.is_prompt, meta.computed_block_nums
-
-
-def seq_table(scheduler, seq_id):
-    for group in scheduler.running:
-        for seq in group.seqs:
-            if seq.seq_id == seq_id:
-                return scheduler.block_manager.get_block_table(seq)
-    return []
-
-
-def _swap(src, dst, pairs) -> None:
-    import torch
-
-    s = torch.tensor([a for a, _ in pairs])
-    d = torch.tensor([b for _, b in pairs])
-    dst.index_copy_(1, d, src.index_select(1, s))
-
-
-def _inputs(tokens):
-    try:
-        from vllm.inputs import token_inputs
-    except ImportError:
-        return {"prompt_token_ids": tokens}
-    return token_inputs(tokens)
-
-
-def _logprob():
-    from vllm.sequence import Logprob
-
-    return Logprob(0.0)
-
-
-class _Layer:
-    """The attention layer's scales, which ``XFormersImpl.forward`` reads from 0.7 on."""
-    _k_scale = 1.0
-    _v_scale = 1.0
-
-
-def _forward(impl, q, k, v, kv_cache, md):
-    """``XFormersImpl.forward`` as each release takes it: ``(layer, q, k, v, ...)`` from 0.7,
-    ``(q, k, v, kv_cache, attn_metadata, k_scale, v_scale)`` before."""
-    import inspect
-
-    params = list(inspect.signature(impl.forward).parameters)
-    if params[0] == "layer":
-        return impl.forward(_Layer(), q, k, v, kv_cache, md)
-    return impl.forward(q, k, v, kv_cache, md, **{p: 1.0 for p in ("k_scale", "v_scale")
-                                                   if p in params})
-
-
-_PATH_COUNTERS = ("forward_prefix", "dense_prefill")
-
-
-def _path_counts():
-    import vllm_bi100_patch
-
-    counts = vllm_bi100_patch.status()["counts"]
-    return [counts.get(k, 0) for k in _PATH_COUNTERS]
-
-
-def _prompt_path(before, after) -> str:
-    """Which kernel computed this step's prompt rows (one forward call takes one path for all
-    of them): ``prefix`` (the shim's ``forward_prefix``: chunks with context in the batch),
-    ``prompt:shim`` (row ``dense_prefill``'s kernel) or ``prompt:backend`` (the backend's own
-    prompt kernel: the vendor's FwOp, or xformers)."""
-    grew = [name for name, b, a in zip(_PATH_COUNTERS, before, after) if a > b]
-    if "forward_prefix" in grew:
-        return "prefix"
-    return "prompt:shim" if "dense_prefill" in grew else "prompt:backend"
-
-
-def _native_cache_write() -> bool:
-    """Whether this build's ``ops.reshape_and_cache`` runs here (a one-token trial write)."""
-    import torch
-    import vllm._custom_ops as ops
-    from vllm.attention.ops.paged_attn import PagedAttention
-
-    kv = torch.zeros(PagedAttention.get_kv_cache_shape(1, BLOCK, KV_HEADS, HEAD_SIZE))
-    kc, vc = PagedAttention.split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
-    k = torch.ones(1, KV_HEADS, HEAD_SIZE)
-    try:
-        ops.reshape_and_cache(k, k, kc, vc, torch.tensor([3]), "auto", 1.0, 1.0)
-    except Exception:  # the official CUDA wheel on a CPU torch: no native op
-        return False
-    return bool(vc[0, :, :, 3].eq(1).all())
 
 
 # -- scenarios -------------------------------------------------------------------------------
