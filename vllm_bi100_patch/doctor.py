@@ -228,9 +228,11 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     code_problems: Optional[List[str]] = None
     conditional: List[str] = []
     would: Optional[Dict[str, Any]] = None
+    invariance_at = len(sections)
     if family is not None and decision.decide(settings).open:
         checks, conditional, would = _code_checks(settings, family)
         sections.append(Section("code checks", checks))
+        invariance_at = len(sections)  # right after the code checks it is derived from
         code_problems = [detail for state, _, detail in checks if state == "FAIL"]
         if "vllm.attention.ops.paged_attn" in sys.modules:
             sections.append(_native_section(settings))
@@ -249,7 +251,7 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
             sections[1].checks.append(("FAIL", "import vllm", _import_error(exc)))
     result = decision.verdict(settings, info, code_problems,
                               any(s == "ok" for s, _, _ in paths), conditional)
-    sections.append(_invariance_section(settings, would, result))
+    sections.insert(invariance_at, _invariance_section(settings, would, result))
     sections.append(Section("this process (doctor itself, after the checks)",
                             [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
                              for line in process_lines(status(), PROCESS_KEYS)]))

@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .. import config
 from ..kernels import dense
 from ..native import probe
-from ..versions import Family
 from ..strict import warn_once
+from ..versions import Family
 from .paged_attention import CALL_COUNTS, ArgReader, Wrapper, _count
 
 CLASS = "XFormersImpl"
