@@ -62,8 +62,10 @@ HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
 VOCAB = 997
 MAX_LEN = 512
 #: The attention layers of this driver process (``main``'s options): head size, number of
-#: layers, the dtype of Q/K/V and the cache, and the kernels' compute mode (None: by device).
-SHAPE = {"head_size": HEAD_SIZE, "layers": 1, "dtype": "float32", "compute": None}
+#: layers, the dtype of Q/K/V and the cache, the kernels' compute mode and path (None: by
+#: device).
+SHAPE = {"head_size": HEAD_SIZE, "layers": 1, "dtype": "float32", "compute": None,
+         "path": None}
 
 
 class Tables:
@@ -371,6 +373,9 @@ def _options(argv):
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--compute", default=None, choices=("fp32", "native"),
                         help="force the shim kernels' compute mode (default: by device)")
+    parser.add_argument("--path", default=None, choices=("sdpa", "tiled"),
+                        help="force the prefix/prompt kernels' path (default: per row, by "
+                             "device; every GPU takes the tiled path)")
     parser.add_argument("scenarios", nargs="*")
     return parser.parse_args(argv)
 
@@ -379,14 +384,18 @@ def main(argv, scenarios=None) -> None:
     scenarios = SCENARIOS if scenarios is None else scenarios
     opts = _options(argv)
     SHAPE.update(head_size=opts.head_size, layers=opts.layers, dtype=opts.dtype,
-                 compute=opts.compute)
+                 compute=opts.compute, path=opts.path)
     _fake_xformers()
     import vllm_bi100_patch
 
     if opts.compute is not None:
         from vllm_bi100_patch.kernels import _common
 
-        _common.FORCE_COMPUTE = opts.compute  # the kernels' test hook
+        _common.FORCE_COMPUTE = opts.compute  # the kernels' test hooks
+    if opts.path is not None:
+        from vllm_bi100_patch.kernels import prefix
+
+        prefix.FORCE_PATH = opts.path
     for name in opts.scenarios or list(scenarios):
         Engine.last = None
         try:

@@ -19,7 +19,8 @@ One driver process per configuration:
   well: the rows must be identical.
 - ``native_bf16``: the same guarantee (head 256 default on the stand-in, head 64 with the
   opt-in elsewhere) in bfloat16 with the kernels in the GPU's compute mode (half-precision
-  matrix products), on two lengths.
+  matrix products) and on the GPU's path (the tiled one; a CPU takes SDPA for most rows), on
+  two lengths; ``tiled_fp32``: the tiled path in float32, on two other lengths.
 - ``default_h64``: head 64, default settings: the prompts run on the backend's own kernel (the
   stand-in's fake ixformer FwOp, or the CPU stand-in of xformers; neither is the real kernel),
   so nothing about equality is asserted: the test prints what it found (the ``same prompt,
@@ -59,13 +60,14 @@ def _standin() -> bool:
 CONFIGS = {
     "default_h256": (["--head-size", "256", "--layers", "2"], SHIM, LENGTHS, True),
     "optin_h64": (["--head-size", "64", "--layers", "2"], OPT_IN, LENGTHS, False),
-    "native_bf16": (["--layers", "2", "--dtype", "bfloat16", "--compute", "native"], None,
-                    (24, 130), False),
+    "native_bf16": (["--layers", "2", "--dtype", "bfloat16", "--compute", "native", "--path",
+                     "tiled"], None, (24, 130), False),
+    "tiled_fp32": (["--layers", "2", "--path", "tiled"], None, (64, 75), False),
     "default_h64": (["--head-size", "64", "--layers", "2"], SHIM, LENGTHS, False),
 }
 
 
-def _native_bf16():
+def _guaranteed():
     """Head 256 with the default settings on the stand-in, head 64 with the opt-in elsewhere."""
     return (["--head-size", "256"], SHIM) if _standin() else (["--head-size", "64"], OPT_IN)
 
@@ -77,7 +79,7 @@ def _run(name):
             pytest.skip("head 256 on the default settings: only the CoreX build's backend "
                         "sends it to the shim (stock builds: see optin_h64)")
         if env is None:
-            extra, env = _native_bf16()
+            extra, env = _guaranteed()
             opts = opts + extra
         proc = subprocess.run([sys.executable, SCRIPT, *opts,
                                *[f"{kind}_{n}" for kind in KINDS for n in lengths]],
@@ -106,7 +108,7 @@ def _check_run(result) -> dict:
     return same
 
 
-@pytest.mark.parametrize("config", ["default_h256", "optin_h64", "native_bf16"])
+@pytest.mark.parametrize("config", ["default_h256", "optin_h64", "native_bf16", "tiled_fp32"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_cached_and_uncached_rows_are_bit_identical(config, kind, length):
@@ -117,7 +119,7 @@ def test_cached_and_uncached_rows_are_bit_identical(config, kind, length):
     assert same["differ"] == 0, json.dumps(same, indent=1)
 
 
-@pytest.mark.parametrize("config", ["default_h256", "optin_h64", "native_bf16"])
+@pytest.mark.parametrize("config", ["default_h256", "optin_h64", "native_bf16", "tiled_fp32"])
 def test_the_shim_computed_both_sides(config):
     """No row of either request came from the backend's own prompt kernel, and the first
     request's uncached chunk (the shim's prompt kernel) met the second's prefix-cache hit
