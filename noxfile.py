@@ -2,7 +2,7 @@
 Iluvatar's CoreX 3.2.3 build, and three real vLLM releases from different signature families.
 ``nox -s matrix`` runs every release line, the stand-in and the kernels on torch 2.1.
 
-Real-vLLM sessions install the official wheel on the local CPU torch (scripts/vllm_env/,
+Real-vLLM sessions install the official wheel on the local CPU torch (tools/vllm_env/,
 docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
 """
 
@@ -16,9 +16,9 @@ import sys
 import nox
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, ROOT)
 
-import vllm_env  # noqa: E402
+from tools import vllm_env  # noqa: E402
 
 #: One release per signature family (docs/vllm-versions.md) plus the first release without the methods.
 #: 0.5.2 and 0.5.4 are tried: tests/real checks them like every other release.

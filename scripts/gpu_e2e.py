@@ -12,7 +12,8 @@ requests, then the 4 longest again (prefix-cache hits), and is stopped. It write
 ``OUT/MODE.completions.json``, ``OUT/MODE.meta.json`` and ``OUT/MODE.log``; the server process
 (``serve``), and every process multiprocessing spawns from it (they import this file as
 ``__mp_main__``), writes the shim's status to ``OUT/MODE.status.json.PID.json`` every second and
-at exit. ``summary`` reads them all. Stdlib only, plus scripts/serve_helpers.py.
+at exit. ``summary`` reads them all. Stdlib only, plus tests/serve/serve_helpers.py (the
+helpers tests/serve shares: found there in the repository, or beside this file in a copy).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import serve_helpers as sh
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SERVE_TESTS = os.path.join(os.path.dirname(_HERE), "tests", "serve")
+if os.path.isfile(os.path.join(_SERVE_TESTS, "serve_helpers.py")) and _SERVE_TESTS not in sys.path:
+    sys.path.insert(1, _SERVE_TESTS)  # after this file's own directory (a copy's helpers)
+
+import serve_helpers as sh  # noqa: E402
 
 #: Server options and environment per profile. ``gpu``: the BI-V100 code path (V0 engine,
 #: xformers backend: compute capability < 8), chunked prefill with a small token budget (long

@@ -98,7 +98,7 @@ run_check() {
   else
     log "shellcheck: not installed (apt-get install shellcheck), skipped"
   fi
-  for f in "$BUILD_MODEL" "$CONSTRAINTS" "$E2E_PY" "$ROOT/scripts/serve_helpers.py" \
+  for f in "$BUILD_MODEL" "$CONSTRAINTS" "$E2E_PY" "$ROOT/tests/serve/serve_helpers.py" \
            "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/vllm_bi100_patch/__init__.py"; do
     if [ -f "$f" ]; then log "present: ${f#"$ROOT"/}"; else log "MISSING: $f"; rc=1; fi
   done

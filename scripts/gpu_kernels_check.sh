@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One-command check of the pure-PyTorch kernels on a GPU machine that has only torch
-# (no vLLM, no network): the reduced reference grid on the GPU, then the benchmark's GPU
-# cases, then one summary block.  Installs nothing: the repository goes on PYTHONPATH.
+# (no vLLM, no network): the reduced reference grid on the GPU, the benchmark's GPU cases
+# (with every call's account and modelled time), then the real launches (torch.profiler)
+# and time per call next to the model's (the first GPU run calibrates the model), then one
+# summary block.  Installs nothing: the repository goes on PYTHONPATH.
 #
 #   scripts/gpu_kernels_check.sh            # on the GPU machine (CUDA device 0)
 #   scripts/gpu_kernels_check.sh --dry-run  # same steps on CPU with tiny sizes (seconds)
 #
 # Environment: PYTHON (default python3), BI100_CHECK_OUT (default ./gpu-kernels-check).
 # Exit status: 0 when every check passed and the benchmark ran, 1 otherwise.
-# Budget: under 5 minutes on one GPU (checks 150 s, benchmark 240 s at most).
+# Budget: under 9 minutes on one GPU (checks 150 s, benchmark 240 s, profile 120 s at most).
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +20,7 @@ DRY=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (expected --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -31,9 +33,11 @@ start=$(date +%s)
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu
   BENCH_ARGS=(--device cpu --quick --repeats 1 --no-curve)
+  PROFILE_ARGS=(--device cpu --quick --calls 1 --repeats 1)
 else
   DEVICE=cuda
   BENCH_ARGS=(--device cuda --repeats 5 --no-curve)
+  PROFILE_ARGS=(--device cuda --calls 3 --repeats 10)
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_kernels_check: torch sees no CUDA device (use --dry-run on CPU)" >&2
     exit 1
@@ -54,17 +58,31 @@ timeout 240 "$PY" "$ROOT/scripts/bench_attention.py" "${BENCH_ARGS[@]}" --out "$
   | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
+# 3. Real launches (torch.profiler) and time per call next to the model, field shape and
+#    the benchmark's GPU cases (small field-shape cases on CPU for --dry-run).
+timeout 120 "$PY" "$ROOT/scripts/profile_kernels.py" "${PROFILE_ARGS[@]}" 2>&1 \
+  | tee "$OUT/profile.txt"
+profile_rc=${PIPESTATUS[0]}
+
 elapsed=$(( $(date +%s) - start ))
 status=PASS
-if [ "$checks_rc" != 0 ] || [ "$bench_rc" != 0 ]; then status=FAIL; fi
+if [ "$checks_rc" != 0 ] || [ "$bench_rc" != 0 ] || [ "$profile_rc" != 0 ]; then
+  status=FAIL
+fi
 {
   echo "==== gpu_kernels_check summary ===="
   cat "$OUT/env.txt"
   grep -E '^device checks on ' "$OUT/checks.txt" || echo "device checks: no result (exit $checks_rc)"
   grep -E '^measured copy bandwidth' "$OUT/bench.txt" || true
-  grep -E '^\| (case|decode|prefix)' "$OUT/bench.txt" || echo "benchmark: no table (exit $bench_rc)"
+  grep -E '^model ' "$OUT/bench.txt" || true
+  grep -E '^(## |\| (case|decode|prefix|dense))' "$OUT/bench.txt" \
+    || echo "benchmark: no table (exit $bench_rc)"
   grep -E '^target ' "$OUT/bench.txt" || true
-  echo "checks exit $checks_rc, benchmark exit $bench_rc, ${elapsed} s; outputs in $OUT"
+  echo "## launches and time per call: profiled vs modelled"
+  grep -E '^(profile_kernels:|\| |calibration:)' "$OUT/profile.txt" \
+    || echo "profile: no table (exit $profile_rc)"
+  echo "checks exit $checks_rc, benchmark exit $bench_rc, profile exit $profile_rc, ${elapsed} s;" \
+    "outputs in $OUT"
   echo "RESULT: $status"
 } | tee "$OUT/summary.txt"
 [ "$status" = PASS ]

@@ -247,3 +247,30 @@ def test_status_says_whether_the_guarantee_holds(fakes):
               VLLM_BI100_PATCH="1").stdout
     assert re.search(r"^slicing_invariant +unknown: vLLM's attention is not imported in this "
                      r"process yet", out, re.M), out
+
+
+def _hint_lines(stdout):
+    return [ln for ln in stdout.splitlines() if "ENABLE_CUSTOM_IPC" in ln]
+
+
+def test_doctor_advises_the_ixformer_ipc_all_reduce_on_the_vendor_stack_only(fakes):
+    """A performance hint, never a FAIL (exit code as before); shown on an Iluvatar stack (a
+    +corex torch, ixformer), silent where the variable is set or the stack is not Iluvatar."""
+    vendor = cli(fakes, "v063", "doctor", extra_path=("corex",))
+    assert vendor.returncode == 0, vendor.stdout + vendor.stderr
+    lines = _hint_lines(vendor.stdout)
+    assert len(lines) == 1 and lines[0].startswith("  [hint] ENABLE_CUSTOM_IPC: "), lines
+    assert "tensor-parallel" in lines[0] and "+44.6%" in lines[0]
+    assert "the shim never sets it" in lines[0]
+    for env in ({"ENABLE_CUSTOM_IPC": "1"}, {"ENABLE_CUSTOM_IPC": "0"}):
+        assert not _hint_lines(cli(fakes, "v063", "doctor", extra_path=("corex",), **env).stdout)
+    assert not _hint_lines(cli(fakes, "v063", "doctor", VLLM_BI100_PATCH="1").stdout)
+
+
+def test_the_ipc_hint_is_advice_and_reads_only_the_environment():
+    from vllm_bi100_patch import advice
+
+    assert advice.ipc_hint(vendor=False, environ={}) is None
+    assert advice.ipc_hint(vendor=True, environ={"ENABLE_CUSTOM_IPC": ""}) is None
+    state, name, text = advice.ipc_hint(vendor=True, environ={})
+    assert (state, name) == ("hint", "ENABLE_CUSTOM_IPC") and "ENABLE_CUSTOM_IPC=1" in text

@@ -98,3 +98,110 @@ def test_a_sound_ops_module_is_ok():
 def test_engine_timeout(env, state, text):
     got = ops_audit.timeout_check(["chunked prefill and prefix caching"], env)
     assert got[0] == state and got[1] == "VLLM_ENGINE_ITERATION_TIMEOUT_S" and text in got[2]
+
+
+#: Calls the audit must not judge (guarded by ``hasattr``, or on a local name that shadows a
+#: module global) and two it must: an unguarded call after a guard that does not cover it,
+#: and a name whose lookup raises something other than ``AttributeError``.
+GUARDS = '''
+import fake_lib as lib
+import raising_lib as rlib
+
+
+def guarded(x):
+    if hasattr(lib, "maybe"):
+        lib.maybe(x)
+    return lib.rms_norm(x)
+
+
+def guarded_in_and(x):
+    if x is not None and hasattr(lib, "maybe"):
+        return lib.maybe(x)
+    return None
+
+
+def negated_exits(x):
+    if not hasattr(lib, "maybe"):
+        raise RuntimeError("this build has no maybe")
+    return lib.maybe(x)
+
+
+def negated_else(x):
+    if not hasattr(lib, "maybe"):
+        return None
+    else:
+        return lib.maybe(x)
+
+
+def ternary(x):
+    return lib.maybe(x) if hasattr(lib, "maybe") else x
+
+
+def asserted(x):
+    assert hasattr(lib, "maybe"), "this build has no maybe"
+    return lib.maybe(x)
+
+
+def parameter_shadows(lib, x):
+    return lib.anything(x)
+
+
+def local_shadows(x):
+    lib = make()
+    return lib.anything(x)
+
+
+def lambda_parameter_shadows(xs):
+    return [f(xs) for f in (lambda lib: lib.anything(),)]
+
+
+def guard_of_another_name(x):
+    if hasattr(lib, "other"):
+        lib.maybe(x)
+
+
+def guard_that_does_not_cover(x):
+    if hasattr(lib, "maybe"):
+        pass
+    return lib.maybe(x)
+
+
+def lookup_raises(x):
+    return rlib.thing(x)
+'''
+
+
+class _Raising(types.ModuleType):
+    def __getattr__(self, name):
+        raise RuntimeError(f"lazy import of {name} failed")
+
+
+def _guarded_module(tmp_path, monkeypatch, raising: bool):
+    lib = types.ModuleType("fake_lib")
+    lib.rms_norm = lambda *a: None
+    monkeypatch.setitem(sys.modules, "fake_lib", lib)
+    monkeypatch.setitem(sys.modules, "raising_lib", _Raising("raising_lib") if raising
+                        else types.ModuleType("raising_lib"))
+    path = tmp_path / "fake_guarded_ops.py"
+    path.write_text(GUARDS)
+    spec = importlib.util.spec_from_file_location("fake_guarded_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_guarded_calls_and_shadowing_locals_are_not_judged(tmp_path, monkeypatch):
+    broken = ops_audit.broken_ops(_guarded_module(tmp_path, monkeypatch, raising=False))
+    assert broken == {"guard_of_another_name": ["fake_lib.maybe"],
+                      "guard_that_does_not_cover": ["fake_lib.maybe"],
+                      "lookup_raises": ["raising_lib.thing"]}, broken
+
+
+def test_a_lookup_that_raises_is_reported_not_raised(tmp_path, monkeypatch):
+    """``hasattr`` lets anything but AttributeError through: doctor crashed on such a
+    module; now the call is reported with what its lookup raises."""
+    guards = _guarded_module(tmp_path, monkeypatch, raising=True)
+    assert ops_audit.missing_calls(guards.lookup_raises) == [
+        "raising_lib.thing (looking it up raises RuntimeError: lazy import of thing failed)"]
+    checks = {name: state for state, name, _ in ops_audit.audit(guards, applied=[])}
+    assert checks["lookup_raises"] == "FAIL"

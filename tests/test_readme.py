@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-import readme_tables
+from scripts import readme_tables
 from helpers.shim import ROOT
 
 from vllm_bi100_patch import versions

@@ -20,7 +20,9 @@ def test_every_row_is_well_formed():
     assert config.PATCH_NAMES == table.names()
     assert table.hooked_modules() == ("vllm.attention.ops.paged_attn",
                                       "vllm.attention.backends.xformers",
-                                      "vllm.attention.backends.utils")
+                                      "vllm.attention.backends.utils",
+                                      "vllm.model_executor.layers.logits_processor",
+                                      "vllm.sequence", "vllm.worker.model_runner")
     assert [p.name for p in table.guards()] == ["import_guard"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row

@@ -17,8 +17,10 @@ in for the card):
   result; an indexed write (``index_copy_``, ``index_put_``, ``scatter``) reads and writes
   what it stores, plus its index.  This is the convention of the launch-and-byte table in
   the project's issue 19 (the figures of that table are reproduced exactly by it).
-- **FLOPs**: matrix products (``torch.utils.flop_counter``'s formulas: ``2 m n k``) plus
-  one per output element of every other arithmetic op; copies, gathers and fills count 0.
+- **FLOPs**: matrix products (``torch.utils.flop_counter``'s formulas: ``2 m n k``; in-place
+  ``baddbmm_``/``addmm_`` by their out-of-place formula; fused attention ``2 m n k`` for
+  each of its two products, over every query head) plus one per output element of every
+  other arithmetic op; copies, gathers and fills count 0.
 
 ``predict(account, device)`` turns an account into a modelled time: per launch, the larger
 of its bytes over the bandwidth and its FLOPs over the peak, plus a fixed host cost per
@@ -36,14 +38,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 try:  # torch >= 2.1
     from torch.utils.flop_counter import flop_registry as _FLOPS
 except ImportError:  # pragma: no cover - older torch
     _FLOPS = {}
 
-__all__ = ["Account", "DEVICES", "DeviceModel", "predict"]
+__all__ = ["Account", "DEVICES", "DeviceModel", "FREE_OPS", "HalfGemmsInFloat", "predict"]
 
 _aten = torch.ops.aten
 
@@ -54,6 +56,9 @@ _FREE = {
     "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
     "_has_compatible_shallow_copy_type", "record_stream", "_version",
 }
+#: Public name of the ops that are not launches (besides views): used by the profiler
+#: comparison in ``scripts/profile_kernels.py``.
+FREE_OPS = frozenset(_FREE)
 #: Index ops that read only what they select (plus the index).
 _GATHERS = {"index_select", "index", "gather", "embedding", "take"}
 #: Indexed writes: they write (and read) only the values they store (plus the index).
@@ -142,8 +147,8 @@ class Account(TorchDispatchMode):
             dest = args[0]
             operands = _tensors(args[1:]) + _tensors(kwargs)
             values = sum(_accessed_bytes(t) for t in operands if t.dtype == dest.dtype)
-            index = sum(_accessed_bytes(t) for t in operands if t.dtype != dest.dtype)
-            return 2 * values + index
+            indices = sum(_accessed_bytes(t) for t in operands if t.dtype != dest.dtype)
+            return 2 * values + indices
         seen: Dict[int, torch.Tensor] = {}
         for t in _tensors(args) + _tensors(kwargs) + outs:
             seen.setdefault(id(t), t)
@@ -152,7 +157,9 @@ class Account(TorchDispatchMode):
     @staticmethod
     def _flops(func: Any, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                out: Any) -> int:
-        packet = func.overloadpacket
+        if name in _SDPA:
+            return _sdpa_flops(args)
+        packet = _INPLACE_GEMMS.get(name, func.overloadpacket)
         if packet in _FLOPS:
             shapes = [t.shape if isinstance(t, torch.Tensor) else t for t in args]
             try:
@@ -165,6 +172,22 @@ class Account(TorchDispatchMode):
             return 0
         outs = _tensors(out) or _tensors(args[:1])
         return sum(t.numel() for t in outs)
+
+
+#: In-place matrix products: the formula of their out-of-place op (``acc.baddbmm_(a, b)``).
+_INPLACE_GEMMS = {"baddbmm_": _aten.baddbmm, "addmm_": _aten.addmm}
+#: Fused attention ops torch's table lacks (the CPU flash kernel) or cannot count (grouped
+#: query heads: fewer key heads than query heads).
+_SDPA = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+
+
+def _sdpa_flops(args: Tuple[Any, ...]) -> int:
+    """``Q K^T`` and ``P V`` of a fused attention, over every query head (``2 m n k`` each,
+    the whole score matrix whatever the mask: what torch's own formula counts)."""
+    q, k, v = args[:3]
+    rows = q.numel() // q.shape[-1]
+    return 2 * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
 def _out_shape(out: Any) -> Any:
@@ -198,3 +221,35 @@ def predict(account: Account, device: DeviceModel) -> float:
     measurement): per launch ``max(bytes / bandwidth, flops / peak) + launch cost``."""
     return sum(max(launch.bytes / device.bandwidth, launch.flops / device.flops)
                + device.launch_s for launch in account.log)
+
+
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class HalfGemmsInFloat(TorchDispatchMode):
+    """CPU half-precision matrix products computed in float32 and rounded back (what a GPU
+    GEMM with float32 accumulation does), for an account's speed only (CPUs without float16
+    matrix instructions emulate them about 100 times slower than float32).  Enter it
+    *before* ``Account`` (``with HalfGemmsInFloat(), Account() as acc:``): the account is
+    then the innermost mode, sees and logs the original op with its operands, and its
+    counts are the same as without this mode."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (name.rstrip("_") not in _GEMMS or first is None or first.device.type != "cpu"
+                or not any(isinstance(a, torch.Tensor) and a.dtype in _HALF for a in args)):
+            return func(*args, **kwargs)
+        target = kwargs.pop("out", None)
+        if target is None and name.endswith("_"):
+            target = first
+        dtype = first.dtype if target is None else target.dtype
+        up = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF
+                      else t, (args, kwargs))
+        result = getattr(torch.ops.aten, name.rstrip("_")).default(*up[0], **up[1])
+        if target is None:
+            return result.to(dtype)
+        return target.copy_(result)

@@ -26,27 +26,9 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
     ``registry.PatchError`` (now if vLLM is installed, whether or not it is imported yet),
     instead of a WARNING.
     """
-    from . import _bootstrap, config
-    from .strict import raise_or_log
+    from . import _bootstrap
 
-    with _bootstrap._lock:
-        _bootstrap.activate("apply", force=True, strict=strict)
-        st = _bootstrap.state()
-        settings = config.load()
-        strict_now = settings.strict if strict is None else strict
-        if strict_now and settings.errors and not settings.kill_switch:
-            raise_or_log("; ".join(settings.errors), strict_now, error=config.ConfigError)
-        if strict_now and st["active"]:
-            from . import decision
-
-            result = _bootstrap.activation_decision()  # the activation's, decided once
-            reason = result.reason if result.kind == decision.UNSUPPORTED else None
-            if reason is None and "vllm_bi100_patch.registry" in sys.modules:
-                from . import registry
-
-                reason = registry.last_report().reason
-            if reason is not None:
-                raise_or_log(reason, strict_now)
+    _bootstrap.apply(strict)
     return status()
 
 
@@ -110,10 +92,13 @@ def status() -> Dict[str, Any]:
 
             data["patched"] = registry.patched_attributes()
             data["report"] = registry.last_report().as_dict()
+        if "vllm_bi100_patch.patches._common" in sys.modules:  # any patch module loaded
+            from .patches import _common
+
+            data["counts"] = _common.call_counts()
         if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
             from .patches import paged_attention
 
-            data["counts"] = paged_attention.call_counts()
             data["native_ops"] = paged_attention.native_profile()
         data["import_guard"] = import_guard.state()
         data["slicing_invariant"] = invariance.verdict(

@@ -20,6 +20,8 @@ TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional, Tuple
 
+    from .decision import Decision
+
 TARGET_MODULE = table.PAGED_ATTN
 LOGGER = _log.NAME
 log = _log.log
@@ -47,18 +49,21 @@ class State:
 
     __slots__ = ("phase", "detail", "settings", "strict", "sources", "last_error", "start",
                  "decision")
+    phase: Phase
+    detail: str
+    settings: Optional[config.Settings]  # the configuration the activation acted on
+    strict: bool
+    sources: List[str]  # the activation paths that ran, in order
+    last_error: Optional[str]
+    #: The activation's decision at start-up (decided once per activation), and at the
+    #: version stage (refined from it, see ``activation_decision``).
+    start: Optional[Decision]
+    decision: Optional[Decision]
 
     def __init__(self) -> None:
-        self.phase = Phase.NOT_BOOTSTRAPPED
-        self.detail = ""
-        self.settings: Optional[config.Settings] = None
-        self.strict = False
-        self.sources: List[str] = []  # the activation paths that ran, in order
-        self.last_error: Optional[str] = None
-        #: The activation's ``decision.Decision`` at start-up (decided once per activation),
-        #: and at the version stage (refined from it, see ``activation_decision``).
-        self.start: Any = None
-        self.decision: Any = None
+        self.phase, self.detail = Phase.NOT_BOOTSTRAPPED, ""
+        self.settings, self.strict, self.sources = None, False, []
+        self.last_error = self.start = self.decision = None
 
     @property
     def active(self) -> bool:
@@ -106,7 +111,7 @@ def _remove_finder() -> None:
         sys.meta_path.remove(_finder)
 
 
-def activation_decision() -> Any:
+def activation_decision() -> Optional[Decision]:
     """The activation's ``decision.Decision`` at the version stage: decided once at activation
     (``activate``), refined once with the installed vLLM version, then reused by every later
     step (the version hook, ``registry.apply_to`` for each target module, ``apply()``); refined
@@ -125,14 +130,15 @@ def activation_decision() -> Any:
         return known
 
 
-def _report_config_errors(settings: config.Settings) -> None:
-    """Invalid variables: one WARNING each per process (the first time vLLM is imported, or at
-    status/apply), or, under strict mode, a ConfigError that stops the import of vLLM."""
-    if settings.errors:
+def check_config(settings: config.Settings, strict: bool) -> None:
+    """The one check of the configuration: invalid variables (the kill switch aside) raise one
+    ConfigError under ``strict`` (the import of vLLM, or ``apply(strict=True)``, fails), else
+    get one WARNING each per process."""
+    if settings.errors and not settings.kill_switch:
         _strict_mode.raise_or_log(
-            "; ".join(settings.errors) + f" ({config.STRICT}=1: vLLM is not started with an "
-            "invalid vllm-bi100-patch configuration)", _state.strict, error=config.ConfigError,
-            warnings=settings.errors)
+            "; ".join(settings.errors) + f" (strict mode, {config.STRICT}=1 or "
+            "apply(strict=True): vLLM is not started with an invalid vllm-bi100-patch "
+            "configuration)", strict, error=config.ConfigError, warnings=settings.errors)
 
 
 def _failed(what: str, exc: Exception) -> None:
@@ -151,13 +157,14 @@ def _before_vllm() -> None:
         settings = _state.settings
         if settings is None:
             return
-        _report_config_errors(settings)  # raises under strict mode: the import of vLLM fails
+        check_config(settings, _state.strict)  # strict: raises, the import of vLLM fails
         if not _state.active:
             return
         try:
             from . import decision, registry
 
             result = activation_decision()
+            assert result is not None  # active: decided at activation
             if result.kind == decision.UNSUPPORTED:
                 reason = result.reason
                 _guards("uninstall")
@@ -240,9 +247,8 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
         _state.settings = settings
         _configure_logging(settings)
         _state.strict = settings.strict if strict is None else strict
-        if settings.errors and source not in AT_START and not settings.kill_switch \
-                and _state.strict:
-            _report_config_errors(settings)  # explicit apply()/plugin: raise now
+        if _state.strict and source not in AT_START:
+            check_config(settings, True)  # explicit apply()/plugin: raise now
         from . import decision  # stdlib only, like config
 
         start = _state.start = decision.decide(settings, force=force)  # once per activation
@@ -262,6 +268,31 @@ def activate(source: str, *, force: bool = False, strict: Optional[bool] = None)
                 module = sys.modules.get(name)
                 if module is not None:
                     _on_target(module)
+
+
+def apply(strict: Optional[bool]) -> None:
+    """``vllm_bi100_patch.apply()``: activate on any hardware, then, under strict mode, raise
+    what a strict vLLM process would meet: an invalid variable (``check_config``), an
+    unsupported version or a failed code check (``PatchError``)."""
+    with _lock:
+        activate("apply", force=True, strict=strict)
+        settings = config.load()
+        if not (settings.strict if strict is None else strict):
+            return
+        check_config(settings, True)
+        if not _state.active:
+            return
+        from . import decision
+
+        result = activation_decision()  # the activation's, decided once
+        reason = result.reason if result is not None and result.kind == decision.UNSUPPORTED \
+            else None
+        if reason is None and "vllm_bi100_patch.registry" in sys.modules:
+            from . import registry
+
+            reason = registry.last_report().reason
+        if reason is not None:
+            _strict_mode.raise_or_log(reason, True)
 
 
 def bootstrap(source: str) -> None:

@@ -13,9 +13,10 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import __version__, _bootstrap, config, decision, hardware, invariance, status, versions
+from . import (__version__, _bootstrap, advice, config, decision, hardware, invariance, status,
+               versions)
 
-#: (state, name, detail); state is "ok", "FAIL" or "info".
+#: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
 
 
@@ -202,27 +203,12 @@ def _config_section(settings: config.Settings) -> Section:
 
 
 def doctor_sections() -> Tuple[List[Section], decision.Decision]:
+    """Every section, in order, and the verdict from what they found."""
     settings = config.load()
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
-    sections = [_config_section(settings)]
-    if info.raw is None:
-        sections.append(Section("vLLM", [("FAIL", "vLLM", "not installed in this environment "
-                                          f"({sys.executable})")]))
-    else:
-        sections.append(Section("vLLM", [(
-            "ok" if family else "FAIL", "version",
-            f"{info.raw}, family {family.name}" if family else
-            f"{info.raw} is not a supported version")]))
-        off_path = versions.serving_path_note(info)
-        if off_path is not None:
-            sections[-1].checks.append(("FAIL", "serving path", off_path))
-    cheap = hardware.cheap_detection()
-    sections.append(Section("hardware", [
-        ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
-        ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
-         else "not a +corex build"),
-    ]))
+    sections = [_config_section(settings), _vllm_section(info, family),
+                _hardware_section(info)]
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     code_problems: Optional[List[str]] = None
@@ -230,20 +216,10 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     would: Optional[Dict[str, Any]] = None
     invariance_at = len(sections)
     if family is not None and decision.decide(settings).open:
-        checks, conditional, would = _code_checks(settings, family)
-        sections.append(Section("code checks", checks))
-        invariance_at = len(sections)  # right after the code checks it is derived from
-        code_problems = [detail for state, _, detail in checks if state == "FAIL"]
-        if "vllm.attention.ops.paged_attn" in sys.modules:
-            sections.append(_native_section(settings))
-        from . import ops_audit
-
-        sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
-                                ops_audit.doctor_checks()))
-        facts = hardware.device_facts()  # torch is imported now (paged_attn imports it)
-        sections[2].checks.append(("info", "device", f"{facts['device_name']} "
-                                   f"({facts['sm_count']} SMs)" if facts.get("device_name")
-                                   else "no CUDA device visible to torch"))
+        checked, code_problems, conditional, would = _patch_sections(settings, family)
+        invariance_at = len(sections) + 1  # right after the code checks it is derived from
+        sections += checked
+        sections[2].checks.append(_device_check())  # torch is imported now (paged_attn is)
     elif family is None and info.raw is not None and _bootstrap.state()["active"]:
         try:  # what a server process sees: the version check at the import of vLLM
             import vllm  # noqa: F401
@@ -256,6 +232,58 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
                             [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
                              for line in process_lines(status(), PROCESS_KEYS)]))
     return sections, result
+
+
+def _vllm_section(info: versions.VersionInfo, family: Optional[versions.Family]) -> Section:
+    if info.raw is None:
+        return Section("vLLM", [("FAIL", "vLLM", "not installed in this environment "
+                                 f"({sys.executable})")])
+    section = Section("vLLM", [(
+        "ok" if family else "FAIL", "version",
+        f"{info.raw}, family {family.name}" if family else
+        f"{info.raw} is not a supported version")])
+    off_path = versions.serving_path_note(info)
+    if off_path is not None:
+        section.checks.append(("FAIL", "serving path", off_path))
+    return section
+
+
+def _hardware_section(info: versions.VersionInfo) -> Section:
+    cheap = hardware.cheap_detection()
+    section = Section("hardware", [
+        ("info", "ixformer", "installed" if cheap["ixformer"] else "not installed"),
+        ("info", "torch", "+corex (Iluvatar) build" if cheap["torch_corex"]
+         else "not a +corex build"),
+    ])
+    hint = advice.ipc_hint(cheap["ixformer"] or cheap["torch_corex"]
+                           or "corex" in (info.raw or ""))
+    if hint is not None:
+        section.checks.append(hint)
+    return section
+
+
+def _device_check() -> Check:
+    facts = hardware.device_facts()
+    return ("info", "device", f"{facts['device_name']} ({facts['sm_count']} SMs)"
+            if facts.get("device_name") else "no CUDA device visible to torch")
+
+
+def _patch_sections(settings: config.Settings, family: versions.Family
+                    ) -> Tuple[List[Section], List[str], List[str], Dict[str, Any]]:
+    """What the shim would do with this vLLM: the code checks (importing the target modules,
+    behind the import guard), the native decode kernels, the audit of the vendor ops; with
+    the failed checks, the conditional patches this build needs and the report a server here
+    would make."""
+    checks, conditional, would = _code_checks(settings, family)
+    sections = [Section("code checks", checks)]
+    if "vllm.attention.ops.paged_attn" in sys.modules:
+        sections.append(_native_section(settings))
+    from . import ops_audit
+
+    sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
+                            ops_audit.doctor_checks()))
+    return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,
+            would)
 
 
 def run() -> int:

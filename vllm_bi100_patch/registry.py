@@ -160,32 +160,16 @@ def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool =
         report = Report()
         info = versions.installed_vllm_version()
         report.vllm_version = info.raw
-        specs = specs_for(module.__name__)
-        missing = missing_classes(module, settings)
-        for spec in specs:
+        for spec in specs_for(module.__name__):
             if spec.name in settings.disabled:
                 report.skipped[spec.name] = "disabled by " + config.DISABLE
-        if base is None or base.version != info.raw:
-            base = decision.decide(settings, info, force=True)
-        verdict = base.refine(target_missing=(
-            f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
+        verdict = _target_verdict(module, settings, info, base)
         report.family = verdict.family
         family = versions.family_for(info)
         todo: List[PatchSpec] = []
         if verdict.kind == decision.PATCH:
             assert family is not None
-            failures = []
-            for spec, outcome, detail in check_rows(module, family,
-                                                    _enabled_specs(settings, module.__name__),
-                                                    settings):
-                if outcome == "unneeded":
-                    report.skipped[spec.name] = "not needed: " + detail
-                    continue
-                report.checks[spec.attr] = detail or "ok"
-                if outcome == "fail":
-                    failures.append(detail)
-                else:
-                    todo.append(spec)
+            todo, failures = _checked(module, family, settings, report)
             verdict = verdict.refine(code_problems=failures)
         if verdict.kind == decision.PATCH:
             assert family is not None
@@ -204,6 +188,37 @@ def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool =
         if report.reason is not None:
             raise_or_log(report.reason, strict)
         return report
+
+
+def _target_verdict(module: types.ModuleType, settings: config.Settings,
+                    info: versions.VersionInfo, base: Optional[decision.Decision]
+                    ) -> decision.Decision:
+    """The activation's decision (``base``, or decided now for this version) refined with
+    the target module: its rows' owner classes must exist."""
+    if base is None or base.version != info.raw:
+        base = decision.decide(settings, info, force=True)
+    missing = missing_classes(module, settings)
+    return base.refine(target_missing=(
+        f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
+
+
+def _checked(module: types.ModuleType, family: versions.Family, settings: config.Settings,
+             report: Report) -> Tuple[List[PatchSpec], List[str]]:
+    """The enabled rows of ``module`` checked (``check_rows``): the rows to patch and the
+    code problems; ``report`` gets the rows this build does not need and each check."""
+    todo: List[PatchSpec] = []
+    failures: List[str] = []
+    for spec, outcome, detail in check_rows(module, family,
+                                            _enabled_specs(settings, module.__name__), settings):
+        if outcome == "unneeded":
+            report.skipped[spec.name] = "not needed: " + detail
+            continue
+        report.checks[spec.attr] = detail or "ok"
+        if outcome == "fail":
+            failures.append(detail)
+        else:
+            todo.append(spec)
+    return todo, failures
 
 
 def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[PatchSpec],

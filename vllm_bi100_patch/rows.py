@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from . import config, table, versions
+
+if TYPE_CHECKING:
+    from .patches._common import Factory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,8 @@ class PatchSpec:
         how, _, what = (self.row.params or "").partition(":")
         return table.resolve(what) if how == "code" else None  # type: ignore[return-value]
 
-    def factory(self) -> Callable[..., Any]:
+    def factory(self) -> "Factory":
+        """The row's factory (``patches._common.Factory``)."""
         return table.resolve(self.row.factory)  # type: ignore[return-value]
 
     def not_needed(self, module: types.ModuleType, settings: config.Settings) -> Optional[str]:

@@ -1,10 +1,11 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here plus its factory (and, for a conditional patch, its ``when``
-check) in ``patches/``.  Everything else is derived from this table: the names accepted in
-``VLLM_BI100_PATCH_DISABLE`` (``config``), the modules the bootstrap hooks (``_bootstrap``), the
-code checks and the all-or-nothing apply/revert (``registry``), ``doctor``'s checks and the
-README's catalogue (``scripts/readme_tables.py``).
+Adding a patch is one row here plus its module in ``patches/`` (its factory, of the type
+``patches._common.Factory``, and for a conditional patch its ``when`` check) and its test.
+Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
+(``config``), the modules the bootstrap hooks (``_bootstrap``), the code checks and the
+all-or-nothing apply/revert (``registry``), the call counters (``patches._common``),
+``doctor``'s checks and the README's catalogue (``scripts/readme_tables.py``).
 
 Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch, no vLLM.
 
@@ -26,6 +27,9 @@ Row fields:
 - ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module,
   settings)`` returns None when the patch is needed in this build under the configuration
   (``config.Settings``), else why not (the patch is then skipped, which is not a failure).
+- ``counters``: the names of the call counters the row's wrapper adds to (``status()["counts"]``);
+  its module takes their handles with ``patches._common.counter(name)``, which refuses a name
+  no row declares (at import, never in a call).
 - ``why``, ``how``, ``vllm``, ``upstream``, ``removal``: the catalogue entry.
 """
 
@@ -43,14 +47,14 @@ GUARD_IMPORT = "guard_import"
 class Patch:
     """One row of the table (read-only by convention)."""
 
-    __slots__ = ("name", "kind", "target", "params", "factory", "when", "why", "how", "vllm",
-                 "upstream", "removal")
+    __slots__ = ("name", "kind", "target", "params", "factory", "when", "counters", "why", "how",
+                 "vllm", "upstream", "removal")
 
     def __init__(self, name: str, kind: str, target: str, factory: str, *, why: str, how: str,
                  vllm: str, upstream: str, removal: str, params: Optional[str] = None,
-                 when: Optional[str] = None) -> None:
+                 when: Optional[str] = None, counters: Tuple[str, ...] = ()) -> None:
         self.name, self.kind, self.target, self.factory = name, kind, target, factory
-        self.params, self.when = params, when
+        self.params, self.when, self.counters = params, when, counters
         self.why, self.how, self.vllm, self.upstream, self.removal = (why, how, vllm, upstream,
                                                                       removal)
 
@@ -76,6 +80,9 @@ class Patch:
 PAGED_ATTN = "vllm.attention.ops.paged_attn"
 XFORMERS = "vllm.attention.backends.xformers"
 BACKEND_UTILS = "vllm.attention.backends.utils"
+LOGITS = "vllm.model_executor.layers.logits_processor"
+SEQUENCE = "vllm.sequence"
+MODEL_RUNNER = "vllm.worker.model_runner"
 _ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
 
 PATCHES: Tuple[Patch, ...] = (
@@ -95,7 +102,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         "decode", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_decode",
         "vllm_bi100_patch.patches.paged_attention:make_decode_wrapper",
-        params="family:decode_params",
+        params="family:decode_params", counters=("forward_decode",),
         why="the native `paged_attention_v1` keeps a whole sequence's logits in shared memory "
             "and hangs BI-V100 above 32,768 tokens; Iluvatar's build forces V1, stubs V2 and "
             "takes other arguments than stock vLLM",
@@ -110,7 +117,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         "prefix", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.forward_prefix",
         "vllm_bi100_patch.patches.paged_attention:make_prefix_wrapper",
-        params="family:prefix_params",
+        params="family:prefix_params", counters=("forward_prefix",),
         why="the stock method launches the Triton `context_attention_fwd`, which hangs "
             "BI-V100 (on CoreX 3.2.3 it is not even imported: `NameError`)",
         how="always the pure-PyTorch `paged_prefix`, tiled under `VLLM_BI100_PREFIX_BUDGET_MB`; "
@@ -123,7 +130,7 @@ PATCHES: Tuple[Patch, ...] = (
         "swap_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.swap_blocks",
         "vllm_bi100_patch.patches.kv_blocks:make_swap_wrapper",
         params="names:src_kv_cache,dst_kv_cache,src_to_dst",
-        when="vllm_bi100_patch.patches.kv_blocks:swap_needed",
+        when="vllm_bi100_patch.patches.kv_blocks:swap_needed", counters=("swap_blocks",),
         why="CoreX 3.2.3's `_custom_ops.swap_blocks` calls `ixformer.functions.swap_blocks`, "
             "which its ixformer lacks: the first preemption by swapping (n > 1, beam search "
             "under memory pressure) crashes the server",
@@ -138,7 +145,7 @@ PATCHES: Tuple[Patch, ...] = (
         "copy_blocks", WRAP_METHOD, PAGED_ATTN + ":PagedAttention.copy_blocks",
         "vllm_bi100_patch.patches.kv_blocks:make_copy_wrapper",
         params="names:kv_caches,src_to_dists",
-        when="vllm_bi100_patch.patches.kv_blocks:copy_needed",
+        when="vllm_bi100_patch.patches.kv_blocks:copy_needed", counters=("copy_blocks",),
         why="CoreX 3.2.3's `_custom_ops.copy_blocks` calls `ixformer.functions.copy_blocks`; "
             "where an ixformer lacks it (the public listing of 3.2.3's `ixformer` shows only "
             "`vllm_copy_cache`), copy-on-write of a shared block (parallel sampling, beam "
@@ -153,11 +160,13 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.kv_write:make_write_wrapper",
         params="names:key,value,key_cache,value_cache,slot_mapping,kv_cache_dtype,k_scale,"
                "v_scale",
-        when="vllm_bi100_patch.patches.kv_write:write_needed",
+        when="vllm_bi100_patch.patches.kv_write:write_needed", counters=("kv_write_fp8",),
         why="CoreX 3.2.3's `_custom_ops.reshape_and_cache` takes `kv_cache_dtype` and the "
             "scales and drops them: with `--kv-cache-dtype fp8` the cache would not hold fp8 "
             "values and every decode and prefix would read garbage",
-        how="only where the build's `reshape_and_cache` never reads its `kv_cache_dtype`: fp8 "
+        how="only where the build's `reshape_and_cache` never reads its `kv_cache_dtype` or "
+            "one of its scales (the dtype passed on without the scales would give fp8 bytes "
+            "that the shim reads back with scales): fp8 "
             "caches are written in PyTorch (`kernels.kv_write`: `fp8(x / scale)` saturated, "
             "vLLM's bytes and layout, slot -1 skipped), read back by the shim's decode and "
             "prefix; `auto` keeps the build's write; any other dtype is refused naming "
@@ -172,6 +181,7 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.dense_prefill:make_dense_wrapper",
         params="names:self,query,key,value,attn_metadata,attn_type",
         when="vllm_bi100_patch.patches.dense_prefill:dense_needed",
+        counters=("dense_prefill", "dense_vendor"),
         why="CoreX 3.2.3's XFormers backend runs every prompt without a cached prefix, and "
             "vLLM's memory-profiling run at start-up, through `ixformer.contrib.xformers`' "
             "flash `FwOp`, which fails above head size 128: a causal bias raises, a mask "
@@ -205,9 +215,11 @@ PATCHES: Tuple[Patch, ...] = (
         BACKEND_UTILS + ":CommonMetadataBuilder._add_seq_group",
         "vllm_bi100_patch.patches.block_tables:make_wrapper",
         params="code:vllm_bi100_patch.patches.block_tables:check",
-        when="vllm_bi100_patch.patches.block_tables:fix_needed",
-        why="with chunked prefill and prefix caching (CoreX 3.2.3 turns chunked prefill on "
-            "above 32K), every chunk after a prompt's cached prefix keeps `prefix_cache_hit` "
+        when="vllm_bi100_patch.patches.block_tables:fix_needed", counters=("prefix_block_table",),
+        why="with chunked prefill and prefix caching (vLLM 0.6.3, so CoreX 3.2.3 too, turns "
+            "chunked prefill on by itself above 32K context unless the model is multimodal or "
+            "uses a sliding window, speculative decoding, LoRA or prompt adapters), every "
+            "chunk after a prompt's cached prefix keeps `prefix_cache_hit` "
             "and gets `computed_block_nums` (the cached blocks only) as its block table: "
             "alone in a batch the prefix kernel refuses the short table (every request "
             "fails), batched its row is zero-padded and block 0 is read as context "
@@ -225,6 +237,72 @@ PATCHES: Tuple[Patch, ...] = (
                  "in 0.6.4",
         removal="when the oldest vLLM the shim supports is 0.6.4, or Iluvatar's build "
                 "carries the fix (the row then reports itself not needed)"),
+    Patch(
+        "tp_empty_logits", WRAP_INSTANCE, LOGITS + ":LogitsProcessor.forward",
+        "vllm_bi100_patch.patches.logits_gather:make_wrapper",
+        params="code:vllm_bi100_patch.patches.logits_gather:check",
+        when="vllm_bi100_patch.patches.logits_gather:logits_needed", counters=("tp_empty_logits",),
+        why="with tensor parallelism, CoreX 3.2.3's `LogitsProcessor.forward` builds an empty "
+            "logits tensor when no token of the step samples (each non-final chunk of a prompt "
+            "longer than `max_num_batched_tokens` under chunked prefill); ranks > 0 get "
+            "`seq_groups=None`, stock vLLM's gather gives them None, the vendor's empty tensor "
+            "is not None, so `_apply_logits_processors` iterates None: `TypeError: 'NoneType' "
+            "object is not iterable`, the worker dies, and with it the engine",
+        how="on a rank without sequence groups and with no token selected, returns None (what "
+            "stock vLLM returns on ranks > 0; no rank gathers in that case, so no collective "
+            "changes); every other call runs the vendor's method; only where `forward` has the "
+            "vendor's empty-tensor branch, on the code shape it was checked against",
+        vllm="0.6.3+corex.3.2.3 (the vendor's method; driven through vLLM's worker broadcast "
+             "with two gloo ranks on the stand-in); no official release has the branch",
+        upstream="Iluvatar's build (stock vLLM gathers and returns None on ranks > 0)",
+        removal="when Iluvatar's `LogitsProcessor.forward` gathers, or returns None without "
+                "sequence groups (the row then reports itself not needed)"),
+    Patch(
+        "stream_delta", WRAP_INSTANCE, SEQUENCE + ":Sequence.get_output_token_ids_to_return",
+        "vllm_bi100_patch.patches.stream_delta:make_wrapper",
+        params="code:vllm_bi100_patch.patches.stream_delta:check",
+        when="vllm_bi100_patch.patches.stream_delta:delta_needed", counters=("stream_delta",),
+        why="a streamed request's (`RequestOutputKind.DELTA`) output of a step without a new "
+            "token (each non-final chunk of a chunked prefill) returns "
+            "`_cached_all_token_ids[-0:]`, the whole prompt, as new tokens: wrong streamed "
+            "token ids, usage counts and logprob slices (CoreX 3.2.3 ships vLLM 0.6.2's "
+            "method, which lacks 0.6.3's `num_new_tokens == 0` case)",
+        how="returns `[]` when the sequence's output length equals the offset it last "
+            "returned (exactly 0.6.3's case), else the original; only where the method slices "
+            "`[-num_new_tokens:]` without that case, on the code shape it was checked against",
+        vllm="0.6.2, 0.6.3+corex.3.2.3 (code checked against both; driven through vLLM's "
+             "scheduler and `RequestOutputFactory` on the stand-in); not applied from 0.6.3 "
+             "(it has the case)",
+        upstream="vLLM 0.6.3 (`if num_new_tokens == 0: return []` in `vllm/sequence.py`)",
+        removal="when Iluvatar's `Sequence` is 0.6.3's or later (the row then reports itself "
+                "not needed)"),
+    Patch(
+        "mrope_positions", WRAP_INSTANCE,
+        MODEL_RUNNER + ":ModelInputForGPUBuilder._compute_multi_modal_input",
+        "vllm_bi100_patch.patches.mrope_positions:make_wrapper",
+        params="code:vllm_bi100_patch.patches.mrope_positions:check",
+        when="vllm_bi100_patch.patches.mrope_positions:mrope_needed", counters=("mrope_positions",),
+        why="for MRoPE models (Qwen2-VL style) with chunked prefill, or a prefix-cache hit "
+            "inside a chunk, the model-input builder gives a chunk the multimodal rotary "
+            "positions of the whole rest of the request: more positions than tokens, and the "
+            "rotary embedding kills the engine (`RuntimeError: shape '[26540, -1, 256]' is "
+            "invalid` in the field) or, where the counts divide, rotates with wrong positions "
+            "silently",
+        how="after the original, a chunk keeps exactly the positions of its tokens: the "
+            "builder's own (from the chunk's context) cut to its token count, as vLLM 0.6.5 "
+            "slices `[context_len:seq_len]`; positions made from the request's delta before a "
+            "prefix-cache hit dropped tokens cropped to the kept suffix and checked against "
+            "the delta; only where `get_input_positions` is called without `seq_len`, on the "
+            "code shapes it was checked against",
+        vllm="0.6.1.post2 – 0.6.4.post1 (code checked against 0.6.1.post2, 0.6.2, "
+             "0.6.3.post1, 0.6.4.post1; driven through vLLM's scheduler, input builder and "
+             "`MRotaryEmbedding` on 0.6.3.post1 and CoreX 3.2.3); not applied from 0.6.5 "
+             "(fixed upstream)",
+        upstream="vLLM pull requests #10388 (\"Fix M-RoPE position calculation when chunked "
+                 "prefill is enabled\") and #10403 (\"Fix mrope_position_delta in non-last "
+                 "prefill chunk\"), in 0.6.5",
+        removal="when the oldest vLLM the shim supports is 0.6.5, or Iluvatar's build carries "
+                "the fix (the row then reports itself not needed)"),
 )
 
 

@@ -301,6 +301,36 @@ def _vendor_xformers_backend(site: str) -> None:
     _write(path, text)
 
 
+_LOGITS_STOCK = """            # Get the logits for the next tokens.
+            logits = self._get_logits(hidden_states, lm_head, embedding_bias)
+"""
+_LOGITS_VENDOR = ("            # Get the logits for the next tokens.\n"
+                  "            if hidden_states.shape[0] > 0:\n"
+                  "                logits = self._get_logits(hidden_states, lm_head, embedding_bias)\n"
+                  "            else:\n"
+                  "                logits = torch.empty([0, lm_head.weight.shape[0]], "
+                  "device=hidden_states.device, dtype=hidden_states.dtype)\n")
+
+
+def _vendor_logits_processor(site: str) -> None:
+    path = os.path.join(site, "vllm", "model_executor", "layers", "logits_processor.py")
+    _write(path, _replace_once(_read(path), _LOGITS_STOCK, _LOGITS_VENDOR, path))
+
+
+_SEQUENCE_GUARD = """        if num_new_tokens == 0:
+            return []
+
+        return self.data._cached_all_token_ids[-num_new_tokens:]
+"""
+
+
+def _vendor_sequence(site: str) -> None:
+    path = os.path.join(site, "vllm", "sequence.py")
+    _write(path, _replace_once(_read(path), _SEQUENCE_GUARD,
+                               "        return self.data._cached_all_token_ids[-num_new_tokens:]\n",
+                               path))
+
+
 def _fake_xformers(site: str) -> None:
     dest = os.path.join(site, "xformers")
     shutil.rmtree(dest, ignore_errors=True)
@@ -352,6 +382,15 @@ DELTAS: List[Delta] = [
           "head_mapping and passes it to forward_decode; the fake ixformer's FwOp raises for a "
           "causal bias above head size 128 and returns zeros for any other bias there",
           "vllm/attention/backends/xformers.py", _vendor_xformers_backend),
+    Delta("logits-vendor", "vllm/model_executor/layers/logits_processor.py",
+          "LogitsProcessor.forward builds an empty [0, vocab] logits tensor when no token is "
+          "selected for sampling instead of gathering (ranks > 0 of a tensor-parallel group "
+          "then run the logits processors over seq_groups=None)",
+          "vllm/model_executor/layers/logits_processor.py", _vendor_logits_processor),
+    Delta("sequence-vendor", "vllm/sequence.py",
+          "Sequence.get_output_token_ids_to_return without the num_new_tokens == 0 case "
+          "(vLLM 0.6.2's method): a step without a new token returns every token id",
+          "vllm/sequence.py", _vendor_sequence),
 ]
 
 

@@ -63,8 +63,9 @@ def test_auto_mode_activates_and_reports_the_vendor_version(facts):
     assert st["mode"] == "auto" and st["active"] is True, st
     assert st["vllm_version"] == "0.6.3+corex.3.2.3" and st["family"] == "v0.5.5"
     assert set(st["activated_by"]) >= {"sitecustomize"}
-    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix", "swap_blocks",
-                                    "write_to_paged_cache"]
+    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix",
+                                    "get_output_token_ids_to_return", "swap_blocks",
+                                    "write_to_paged_cache"]  # vllm.sequence: row stream_delta
     assert "vllm-bi100-patch active: vLLM 0.6.3+corex.3.2.3" in log
 
 

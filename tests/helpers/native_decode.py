@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from vllm_bi100_patch import native
 from vllm_bi100_patch.native import NativeDecoder, Routing
 from vllm_bi100_patch.patches.paged_attention import decode_call
 
@@ -20,7 +21,7 @@ def decoder_for(ops: Any, routing: Optional[Routing] = None) -> NativeDecoder:
     routing = routing or Routing()
     entry = _decoders.get((id(ops), routing))
     if entry is None or entry[0] is not ops:
-        entry = _decoders[(id(ops), routing)] = (ops, NativeDecoder(ops, routing))
+        entry = _decoders[(id(ops), routing)] = (ops, native.build(ops, routing))
     return entry[1]
 
 

@@ -11,6 +11,7 @@ from helpers.reference import make_cache, make_tables, ref_decode
 from helpers import native_decode
 
 from vllm_bi100_patch.native import decoder as dispatch
+from vllm_bi100_patch.native import longest
 from vllm_bi100_patch.native import routes
 from vllm_bi100_patch.native.routes import Routing as DecodeRouting
 
@@ -41,7 +42,7 @@ class FakeOps:
 def _clean():
     dispatch.reset_route_counts()
     dispatch.SCRATCH.clear()
-    dispatch._longest_cache.update(ref=None, version=-1, value=0)
+    longest.forget()
     native_decode.forget()
     yield
     dispatch.SCRATCH.clear()
@@ -203,7 +204,7 @@ def test_graph_capture_never_syncs(monkeypatch):
     def no_sync(seq_lens):
         raise AssertionError("host sync during graph capture")
 
-    monkeypatch.setattr(dispatch, "_read_longest", no_sync)
+    monkeypatch.setattr(longest, "_read_longest", no_sync)
     ops = FakeOps()
     routing = DecodeRouting(fallback_above=1000)
     _decode(_meta_inputs(), 4096, ops=ops, routing=routing)  # bound 4096 > 1000: fallback
@@ -220,7 +221,7 @@ def test_eager_device_syncs_once_per_seq_lens_version(monkeypatch):
         reads.append(seq_lens)
         return 500
 
-    monkeypatch.setattr(dispatch, "_read_longest", read)
+    monkeypatch.setattr(longest, "_read_longest", read)
     ops = FakeOps()
     routing = DecodeRouting(fallback_above=1000)
     inputs = _meta_inputs()

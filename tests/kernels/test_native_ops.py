@@ -21,8 +21,9 @@ from helpers.reference import make_cache, make_tables, ref_decode
 
 from helpers import native_decode
 
-from vllm_bi100_patch.native import NativeDecoder
+from vllm_bi100_patch import native
 from vllm_bi100_patch.native import decoder as dispatch
+from vllm_bi100_patch.native import longest
 from vllm_bi100_patch.native.routes import Routing as DecodeRouting
 
 _IXF_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "corex", "fake_ixformer",
@@ -103,7 +104,7 @@ def _check(out, batch):
 
 def test_profile_of_the_vendor_build():
     prof = native_decode.decoder_for(vendor_ops()).profile
-    assert prof.convention == "vendor"
+    assert prof.build == "vendor"
     assert prof.v1.present and prof.v1.takes_head_mapping and not prof.v1.takes_scales
     assert not prof.v2.present
     assert prof.v2.absent_reason == "its body only raises NotImplementedError"
@@ -161,7 +162,7 @@ def test_stock_kernel_gets_an_int_when_vllm_passes_head_mapping():
         out.fill_(1.0)
 
     ops = types.SimpleNamespace(paged_attention_v1=paged_attention_v1)
-    assert native_decode.decoder_for(ops).profile.convention == "stock"
+    assert native_decode.decoder_for(ops).profile.build == "stock"
     dispatch._mappings.clear()
     _run(_batch([10], heads=8, kv=2), ops, k_scale=0.5, v_scale=0.25)
     _run(_batch([10], heads=8, kv=2), ops, num_kv_heads=2)
@@ -172,9 +173,9 @@ def test_stock_kernel_gets_an_int_when_vllm_passes_head_mapping():
 
 def test_v1_limit_follows_the_convention_and_the_setting():
     stock = types.SimpleNamespace(paged_attention_v1=lambda *a: None)
-    assert native_decode.decoder_for(stock, DecodeRouting()).v1_limit == 8192
-    assert native_decode.decoder_for(vendor_ops(), DecodeRouting()).v1_limit == 32768
-    assert NativeDecoder(None, DecodeRouting(v1_max_seq_len=1000)).v1_limit == 1000
+    assert native_decode.decoder_for(stock, DecodeRouting()).routes.v1_limit == 8192
+    assert native_decode.decoder_for(vendor_ops(), DecodeRouting()).routes.v1_limit == 32768
+    assert native.build(None, DecodeRouting(v1_max_seq_len=1000)).routes.v1_limit == 1000
     ops = vendor_ops()
     batch = _batch([1500])
     _check(_run(batch, ops, routing=DecodeRouting(v1_max_seq_len=1000)), batch)
@@ -326,8 +327,8 @@ def test_a_lying_max_seq_len_is_refused_before_v1_when_seq_lens_is_on_the_cpu():
 def test_max_seq_len_on_a_device_is_checked_against_a_value_already_read(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     reads = []
-    monkeypatch.setattr(dispatch, "_read_longest", lambda sl: reads.append(sl) or 40000)
-    dispatch._longest_cache.update(ref=None, version=-1, value=0)
+    monkeypatch.setattr(longest, "_read_longest", lambda sl: reads.append(sl) or 40000)
+    longest.forget()
     q, kc, vc, bt, sl, mapping = _meta_batch()
     calls = []
 

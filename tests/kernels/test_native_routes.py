@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers.reference import make_cache, make_tables
 
+from vllm_bi100_patch import native
 from vllm_bi100_patch.native import decoder as dec
-from vllm_bi100_patch.native import routes
-from vllm_bi100_patch.native.decoder import Facts, NativeDecoder
-from vllm_bi100_patch.native.routes import Routing
+from vllm_bi100_patch.native import longest, routes
+from vllm_bi100_patch.native.routes import Facts, Routing
 from vllm_bi100_patch.patches.paged_attention import decode_call
 
 
@@ -91,16 +91,16 @@ SCENARIOS = {
 def _clean():
     dec.reset_route_counts()
     dec.SCRATCH.clear()
-    dec._longest_cache.update(ref=None, version=-1, value=0)
+    longest.forget()
     yield
     dec.SCRATCH.clear()
 
 
 def _run(name):
     make_ops, routing, kw, _ = SCENARIOS[name]
-    decoder = NativeDecoder(make_ops(), routing)
+    decoder = native.build(make_ops(), routing)
     call = _call(**kw)
-    return decoder, call, decoder.choose(Facts(decoder, call))
+    return decoder, call, decoder.routes.choose(Facts(decoder.routes, call))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -108,12 +108,12 @@ def test_the_route_taken_is_the_first_applicable_row_and_describe_lists_it(name)
     decoder, call, row = _run(name)
     assert row.name == SCENARIOS[name][3]
     bands = decoder.describe()["bands"]
-    active = {r.name for r, _ in decoder.rows()}
+    active = {r.name for r, _ in decoder.routes.rows()}
     for r in routes.ROUTES:  # describe lists exactly the rows that can apply
-        band = r.band(decoder)
+        band = r.band(decoder.routes)
         assert (band is not None) is (r.name in active)
         assert (band in bands) if band is not None else True
-    assert row.name in active and row.band(decoder) in bands
+    assert row.name in active and row.band(decoder.routes) in bands
     if call.is_blocksparse and row.route == "fallback":
         with pytest.raises(NotImplementedError, match="blocksparse"):
             decoder.decode(call)
@@ -130,7 +130,7 @@ def test_every_row_is_driven_both_ways():
     for name in SCENARIOS:
         decoder, _, row = _run(name)
         taken.add(row.name)
-        inactive |= {r.name for r in routes.ROUTES if r.band(decoder) is None}
+        inactive |= {r.name for r in routes.ROUTES if r.band(decoder.routes) is None}
     names = {r.name for r in routes.ROUTES}
     assert taken == names, names - taken
     assert inactive == names, names - inactive
@@ -143,18 +143,18 @@ def test_every_kernel_rule_is_driven_both_ways_and_described_where_it_applies():
         if decoder.profile is None:
             continue
         bands = decoder.describe()["bands"]
-        facts = Facts(decoder, call)
+        facts = Facts(decoder.routes, call)
         pairs = [(k, rule) for k in (decoder.profile.v1, decoder.profile.v2)
                  for rule in routes.KERNEL_RULES]
-        expected = {rule.band(decoder, k) for k, rule in pairs
-                    if k.present and rule.applies(decoder, k)}
-        if decoder.routing.fallback_above != 0:
+        expected = {rule.band(decoder.routes, k) for k, rule in pairs
+                    if k.present and rule.applies(decoder.routes, k)}
+        if decoder.routes.routing.fallback_above != 0:
             for k, rule in pairs:
-                band = rule.band(decoder, k)
+                band = rule.band(decoder.routes, k)
                 assert (band in bands) is (band in expected), (name, rule.name)
         for k, rule in pairs:
-            if k.present and rule.applies(decoder, k):
-                (excluded if rule.excludes(decoder, facts) else passed).add(rule.name)
+            if k.present and rule.applies(decoder.routes, k):
+                (excluded if rule.excludes(decoder.routes, facts) else passed).add(rule.name)
     names = {r.name for r in routes.KERNEL_RULES}
     if FP8 == "auto":
         names.discard("fp8")

@@ -35,7 +35,7 @@ def test_rows_apply_only_where_the_build_needs_them(rows):
         assert rows["skipped"]["dense_prefill"] == ("not needed: the backend's xops is "
                                                     "xformers.ops, not ixformer's")
         assert rows["skipped"]["kv_write"] == ("not needed: the build's ops.reshape_and_cache "
-                                               "passes kv_cache_dtype on")
+                                               "passes kv_cache_dtype and the scales on")
         assert "_run_memory_efficient_xformers_forward" not in rows["patched"]
         assert rows["counts"].get("dense_prefill", 0) == 0
     else:  # the CoreX stand-in

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-import gpu_e2e
+from scripts import gpu_e2e
 
 SCRIPTS = os.path.dirname(os.path.abspath(gpu_e2e.__file__))
 

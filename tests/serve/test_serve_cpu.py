@@ -20,7 +20,7 @@ with the shim and the plugin installed. ``BI100_SERVE_PYTHON`` runs the servers 
 interpreter (a scratch venv) than the one running pytest. ``BI100_SERVE_REQUIRED=1`` (set by the
 nox session) turns the missing-vLLM skip into a failure. ``BI100_SERVE_REPORT=FILE`` writes the
 summary (wall times, peak memory, token comparison) as JSON. Starting, waiting for, querying
-and stopping the servers: scripts/serve_helpers.py (shared with scripts/gpu_e2e.py).
+and stopping the servers: tests/serve/serve_helpers.py (shared with scripts/gpu_e2e.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""scripts/serve_helpers.py without a real server: command and environment building, the
-loopback-only rule, completion parsing and comparison, the shim's counters in a log, and the
-readiness loop and requests against a tiny HTTP stub on 127.0.0.1."""
+"""tests/serve/serve_helpers.py (shared with scripts/gpu_e2e.py) without a real server: command
+and environment building, the loopback-only rule, completion parsing and comparison, the shim's
+counters in a log, and the readiness loop and requests against a tiny HTTP stub on 127.0.0.1."""
 
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..kernels._common import as_count
+
 __all__ = ["CONVENTIONS", "Convention", "DecodeCall", "check_head_mapping", "check_shapes"]
 
 Scratch = Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -52,6 +54,23 @@ class DecodeCall:
         self.k_scale, self.v_scale, self.kv_scale = k_scale, v_scale, kv_scale
         self.tp_rank, self.blocksparse = tp_rank, blocksparse
         self.block_size = int(value_cache.shape[3])
+
+    @classmethod
+    def checked(cls, query: Any, key_cache: Any, value_cache: Any, block_tables: Any,
+                seq_lens: Any, max_seq_len: Any, kv_cache_dtype: str, num_kv_heads: Any,
+                scale: float, alibi_slopes: Optional[torch.Tensor], k_scale: Any, v_scale: Any,
+                kv_scale: Any, tp_rank: int, blocksparse: Tuple[int, int, int, int]
+                ) -> "DecodeCall":
+        """The call of vLLM's arguments, checked from metadata only (no device read): the
+        tensors' ranks (``check_shapes``), ``num_kv_heads`` as an int matching the cache or a
+        ``head_mapping`` tensor (``check_head_mapping``), ``max_seq_len`` an int >= 0;
+        ValueError naming the argument otherwise."""
+        check_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+        kv_heads = int(key_cache.shape[1])
+        head_mapping = check_head_mapping(num_kv_heads, query, kv_heads)
+        return cls(query, key_cache, value_cache, block_tables, seq_lens,
+                   as_count("max_seq_len", max_seq_len), kv_cache_dtype, kv_heads, head_mapping,
+                   scale, alibi_slopes, k_scale, v_scale, kv_scale, tp_rank, blocksparse)
 
     @property
     def is_blocksparse(self) -> bool:

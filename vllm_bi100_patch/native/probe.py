@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .._log import log
+from ..source import body_without_docstring, function_def
 from .calls import CONVENTIONS, Convention
 
-__all__ = ["KernelProfile", "OpsProfile", "compiled_kernels_missing", "only_raises_not_implemented",
-           "source_tree"]
+__all__ = ["KernelProfile", "OpsProfile", "compiled_kernels_missing", "only_raises_not_implemented"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -108,17 +107,14 @@ class OpsProfile:
         self._lock = threading.Lock()
 
     @property
-    def convention(self) -> str:
-        """``"vendor"`` when a kernel takes ``head_mapping`` (Iluvatar CoreX 3.x), else
-        ``"stock"``."""
+    def build(self) -> str:
+        """Whose kernels these are: ``"vendor"`` when a kernel takes ``head_mapping`` (Iluvatar
+        CoreX 3.x), else ``"stock"`` (each kernel's calling convention is its own)."""
         return "vendor" if self.v1.takes_head_mapping or self.v2.takes_head_mapping else "stock"
 
     @property
     def needs_head_mapping(self) -> bool:
         return any(k.present and k.takes_head_mapping for k in (self.v1, self.v2))
-
-    def kernel(self, route: str) -> KernelProfile:
-        return self.v1 if route == "native_v1" else self.v2
 
     def mark_absent(self, kernel: KernelProfile, reason: str) -> None:
         with self._lock:
@@ -129,7 +125,8 @@ class OpsProfile:
                     "no longer routes to it in this process", kernel.name, reason)
 
     def describe(self) -> Dict[str, str]:
-        return {"convention": self.convention, "paged_attention_v1": self.v1.describe(),
+        # "convention": the key status() and doctor have always shown the build under.
+        return {"convention": self.build, "paged_attention_v1": self.v1.describe(),
                 "paged_attention_v2": self.v2.describe()}
 
 
@@ -151,35 +148,6 @@ def compiled_kernels_missing(ops: Any, ixformer: bool) -> Optional[str]:
     except (AttributeError, RuntimeError):
         pass
     return "vllm._custom_ops has no compiled kernels behind it (torch.ops._C lacks them)"
-
-
-def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable[..., Any]]]:
-    """The parsed source of ``func`` and the function it was read from, looking through
-    ``functools.wraps`` wrappers; None when the source cannot be read (builtins, C ops)."""
-    try:
-        inner = inspect.unwrap(func)
-        return ast.parse(textwrap.dedent(inspect.getsource(inner))), inner
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return None
-
-
-def function_def(func: Callable[..., Any]) -> Optional[ast.FunctionDef]:
-    """The one function definition in ``func``'s source (``source_tree``), or None when the
-    source cannot be read or does not hold exactly one (async definitions count)."""
-    parsed = source_tree(func)
-    if parsed is None:
-        return None
-    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return defs[0] if len(defs) == 1 else None  # type: ignore[return-value]
-
-
-def body_without_docstring(fn: ast.FunctionDef) -> List[ast.stmt]:
-    """``fn``'s statements, a leading docstring left out."""
-    body: List[ast.stmt] = list(fn.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
-    return body
 
 
 def only_raises_not_implemented(func: Callable[..., Any]) -> bool:

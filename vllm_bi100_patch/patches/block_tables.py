@@ -3,8 +3,9 @@ is made.
 
 Catalogue entry: row ``prefix_block_table`` of ``vllm_bi100_patch.table``.
 
-With chunked prefill and prefix caching on (BI-V100 servers run both; CoreX 3.2.3 turns
-chunked prefill on by itself above 32K), ``ModelInputForGPUBuilder._compute_for_prefix_cache_hit``
+With chunked prefill and prefix caching on (BI-V100 servers run both; vLLM 0.6.3 turns
+chunked prefill on by itself above 32K for models that are not multimodal),
+``ModelInputForGPUBuilder._compute_for_prefix_cache_hit``
 keeps ``inter_data.prefix_cache_hit = True`` for every later chunk of a prompt whose first
 blocks were cached, and ``CommonMetadataBuilder._add_seq_group`` then takes
 ``block_table = computed_block_nums``: only the cached prefix's blocks, fewer than a chunk past
@@ -32,15 +33,15 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config
-from ..native import probe
+from ..source import body_without_docstring, function_def
 from ..versions import Family
-from .paged_attention import ArgReader, CALL_COUNTS, Wrapper, _count
+from ._common import ArgReader, Wrapper, counter
 
 OWNER = "CommonMetadataBuilder"
 ATTR = "_add_seq_group"
 PARAMS = ("self", "inter_data", "chunked_prefill_enabled")
 COUNTER = "prefix_block_table"
-CALL_COUNTS.setdefault(COUNTER, 0)
+FIXED_CALLS = counter(COUNTER)
 
 #: Fingerprints (``fingerprint``) of the ``_add_seq_group`` bodies this row was checked
 #: against, each one read in the official wheels named (the CoreX stand-in's file is the
@@ -73,10 +74,10 @@ def _canonical(node: Any) -> str:
 def fingerprint(func: Callable[..., Any]) -> Optional[str]:
     """16 hex digits of the function's code shape (docstring left out); None when its
     source cannot be read."""
-    fn = probe.function_def(func)
+    fn = function_def(func)
     if fn is None:
         return None
-    text = _canonical(fn.args) + _canonical(probe.body_without_docstring(fn))
+    text = _canonical(fn.args) + _canonical(body_without_docstring(fn))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -112,7 +113,7 @@ def fix_needed(module: types.ModuleType, settings: config.Settings) -> Optional[
     method = _method(module)
     if method is None:
         return f"{module.__name__} has no {OWNER}.{ATTR} (the builder this fixes is absent)"
-    fn = probe.function_def(method)
+    fn = function_def(method)
     if fn is None:
         return f"the source of {OWNER}.{ATTR} cannot be read; nothing to fix"
     value = _hit_branch_value(fn)
@@ -134,7 +135,7 @@ def check(func: Callable[..., Any]) -> Optional[str]:
         return f"{where} has no readable signature ({exc})"
     if params != PARAMS:
         return f"{where} parameters {list(params)} differ from {list(PARAMS)}"
-    fn = probe.function_def(func)
+    fn = function_def(func)
     if fn is None:
         return f"the source of {where} cannot be read"
     uses = _uses(fn, "computed_block_nums")
@@ -179,7 +180,7 @@ def make_wrapper(family: Family, original: Callable[..., Any], module: types.Mod
         if own is None:
             return wrapped(*args, **kwargs)
         cached = inter_data.computed_block_nums
-        _count(COUNTER)
+        FIXED_CALLS.add()
         inter_data.computed_block_nums = own
         try:
             return wrapped(*args, **kwargs)

@@ -31,18 +31,18 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
 from ..kernels import dense
-from ..native import probe
+from ..source import function_def, source_tree
 from ..strict import warn_once
 from ..versions import Family
-from .paged_attention import CALL_COUNTS, ArgReader, Wrapper, _count
+from ._common import ArgReader, Wrapper, counter
 
 CLASS = "XFormersImpl"
 METHOD = "_run_memory_efficient_xformers_forward"
 #: The method's parameters after ``self`` (the row's code check includes ``self``).
 PARAMS = ("query", "key", "value", "attn_metadata", "attn_type")
 
-CALL_COUNTS.setdefault("dense_prefill", 0)
-CALL_COUNTS.setdefault("dense_vendor", 0)
+PREFILL_CALLS = counter("dense_prefill")
+VENDOR_CALLS = counter("dense_vendor")
 
 
 def _dotted(node: ast.AST) -> str:
@@ -62,7 +62,7 @@ def uses_ixformer_fwop(func: Callable[..., Any], xops: Any) -> Optional[str]:
     name = getattr(xops, "__name__", None)
     if not isinstance(xops, types.ModuleType) or not str(name).startswith("ixformer"):
         return f"the backend's xops is {name or 'missing'}, not ixformer's"
-    parsed = probe.source_tree(func)
+    parsed = source_tree(func)
     if parsed is None:
         return f"the source of {METHOD} cannot be read"
     built = passed = False
@@ -89,7 +89,7 @@ def prompt_shape(func: Callable[..., Any], xops: Any) -> Optional[str]:
     name = str(getattr(xops, "__name__", None))
     if not isinstance(xops, types.ModuleType) or not name.startswith(("xformers", "ixformer")):
         return f"the backend's xops is {name}, neither xformers' nor ixformer's"
-    parsed = probe.function_def(func)
+    parsed = function_def(func)
     if parsed is None:
         return f"the source of {METHOD} cannot be read"
     params = tuple(a.arg for a in parsed.args.posonlyargs + parsed.args.args
@@ -160,9 +160,9 @@ def make_dense_wrapper(family: Family, original: Callable[..., Any], module: typ
         window = getattr(instance, "sliding_window", None)
         if (instance.head_size <= limit and not every_head) or kind not in KINDS \
                 or (kind != "DECODER" and window is not None):
-            _count("dense_vendor")
+            VENDOR_CALLS.add()
             return wrapped(*args, **kwargs)
-        _count("dense_prefill")
+        PREFILL_CALLS.add()
         q_field, kv_field, causal = KINDS[kind]
         q_lens = getattr(meta, q_field)
         kv_lens = None if kv_field is None else getattr(meta, kv_field)

@@ -19,10 +19,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .. import config, ops_audit
 from ..kernels import blocks
 from ..versions import Family
-from .paged_attention import ArgReader, Wrapper, _count
+from ._common import ArgReader, Wrapper, counter
 
 SWAP_PARAMS = ("src_kv_cache", "dst_kv_cache", "src_to_dst")
 COPY_PARAMS = ("kv_caches", "src_to_dists")
+SWAP_CALLS = counter("swap_blocks")
+COPY_CALLS = counter("copy_blocks")
 
 
 def missing_call(func: Callable[..., Any]) -> Optional[str]:
@@ -57,12 +59,11 @@ def copy_needed(module: types.ModuleType, settings: config.Settings) -> Optional
 
 def make_swap_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
                       settings: config.Settings) -> Wrapper:
-    reader = ArgReader.for_function(original, SWAP_PARAMS, "swap_blocks")
+    reader = ArgReader.for_function(original, SWAP_PARAMS, "swap_blocks", SWAP_CALLS)
 
     def swap_blocks(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> None:
         src, dst, mapping = reader.read(args, kwargs)
-        _count("swap_blocks")
         blocks.swap_blocks(src, dst, mapping)
 
     return swap_blocks
@@ -70,12 +71,11 @@ def make_swap_wrapper(family: Family, original: Callable[..., Any], module: type
 
 def make_copy_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
                       settings: config.Settings) -> Wrapper:
-    reader = ArgReader.for_function(original, COPY_PARAMS, "copy_blocks")
+    reader = ArgReader.for_function(original, COPY_PARAMS, "copy_blocks", COPY_CALLS)
 
     def copy_blocks(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> None:
         kv_caches, mapping = reader.read(args, kwargs)
-        _count("copy_blocks")
         blocks.copy_blocks(kv_caches, mapping)
 
     return copy_blocks

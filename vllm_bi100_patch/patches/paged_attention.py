@@ -10,99 +10,20 @@ built at patch time; prefix calls ``kernels.paged_prefix``.
 
 from __future__ import annotations
 
-import atexit
-import inspect
-import os
-import threading
 import types
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .. import config, hardware, native
-from .._log import log
 from ..kernels import paged_prefix
-from ..kernels._common import as_count
 from ..native import DecodeCall, NativeDecoder
 from ..versions import Family
+from ._common import ArgReader, Wrapper, counter
+# Every patch's counters live in ._common (counters.snapshot()); read here too, where status(),
+# the test-side serve plugin and the probes have always read them.
+from ._common import call_counts, log_counts, reset_call_counts  # noqa: F401
 
-
-Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
-
-CALL_COUNTS: Dict[str, int] = {"forward_decode": 0, "forward_prefix": 0, "swap_blocks": 0,
-                               "copy_blocks": 0}
-_counts_lock = threading.Lock()
-
-
-def call_counts() -> Dict[str, int]:
-    """Calls of each patched method plus the decode routes taken, in this process (each
-    group copied under its lock)."""
-    with _counts_lock:
-        counts = dict(CALL_COUNTS)
-    counts.update({f"decode_{k}": v for k, v in native.route_counts().items()})
-    return counts
-
-
-def reset_call_counts() -> None:
-    """Zero the call counters and the decode route counters."""
-    with _counts_lock:
-        for key in CALL_COUNTS:
-            CALL_COUNTS[key] = 0
-    native.reset_route_counts()
-
-
-def log_counts() -> None:
-    """Log the call and route counters at INFO (at exit, and on request)."""
-    counts = call_counts()
-    if any(counts.values()):
-        log.info("vllm-bi100-patch counters (pid %d): %s", os.getpid(),
-                 ", ".join(f"{k}={v}" for k, v in counts.items()))
-
-
-atexit.register(log_counts)
-
-
-def _count(name: str) -> None:
-    with _counts_lock:
-        CALL_COUNTS[name] += 1
-
-
-class ArgReader:
-    """Reads one family's arguments (positional or keyword) into parameter order, cheaply."""
-
-    def __init__(self, params: Sequence[str], defaults: Mapping[str, Any], what: str) -> None:
-        self.params = tuple(params)
-        self.defaults = dict(defaults)
-        self.what = what
-        self._names = frozenset(self.params)
-
-    @classmethod
-    def for_function(cls, func: Callable[..., Any], params: Sequence[str],
-                     what: str) -> "ArgReader":
-        sig = inspect.signature(func)
-        defaults = {n: p.default for n, p in sig.parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-        return cls(params, defaults, what)
-
-    def read(self, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> List[Any]:
-        if len(args) > len(self.params):
-            raise TypeError(f"{self.what}() takes {len(self.params)} positional arguments "
-                            f"but {len(args)} were given")
-        values = list(args)
-        for name in self.params[len(args):]:
-            if name in kwargs:
-                values.append(kwargs[name])
-            elif name in self.defaults:
-                values.append(self.defaults[name])
-            else:
-                raise TypeError(f"{self.what}() missing required argument: {name!r}")
-        if kwargs:
-            extra = set(kwargs) - self._names
-            if extra:
-                raise TypeError(f"{self.what}() got unexpected keyword arguments: "
-                                f"{sorted(extra)}")
-            dup = set(kwargs) & set(self.params[:len(args)])
-            if dup:
-                raise TypeError(f"{self.what}() got multiple values for {sorted(dup)}")
-        return values
+DECODE_CALLS = counter("forward_decode")
+PREFIX_CALLS = counter("forward_prefix")
 
 
 def routing_for(settings: config.Settings) -> native.Routing:
@@ -119,9 +40,8 @@ def routing_for(settings: config.Settings) -> native.Routing:
 
 
 def decoder_for(module: types.ModuleType, settings: config.Settings) -> NativeDecoder:
-    """The native decoder for the ops ``module`` uses (see ``NativeDecoder.for_module``)."""
-    return NativeDecoder.for_module(module, lambda: routing_for(settings),
-                                    hardware.ixformer_present())
+    """The native decoder for the ops ``module`` uses (see ``native.for_module``)."""
+    return native.for_module(module, lambda: routing_for(settings), hardware.ixformer_present())
 
 
 #: The decoder of the last decode patch and its module, for ``native_profile()``.
@@ -145,29 +65,27 @@ def native_profile() -> Optional[Dict[str, Any]]:
 
 
 def decode_call(v: Mapping[str, Any]) -> DecodeCall:
-    """vLLM's ``forward_decode`` arguments, by name (any family), as one ``DecodeCall``:
-    shapes checked, ``max_seq_len`` an int, ``num_kv_heads`` the cache's KV head count and
-    ``head_mapping`` the tensor Iluvatar's XFormers backend passes in its place (else None),
-    ``kv_scale`` (vLLM 0.5.0 - 0.5.2) used for K and V.  ValueError names a bad argument."""
-    query, key_cache = v["query"], v["key_cache"]
-    native.check_shapes(query, key_cache, v["value_cache"], v["block_tables"], v["seq_lens"])
-    kv_heads = int(key_cache.shape[1])
-    head_mapping = native.check_head_mapping(v["num_kv_heads"], query, kv_heads)
+    """vLLM's ``forward_decode`` arguments, by name (any family), as one checked
+    ``DecodeCall`` (``DecodeCall.checked``: ValueError names a bad argument): ``kv_scale``
+    (vLLM 0.5.0 - 0.5.2) used for K and V, the blocksparse parameters at their defaults where
+    the family lacks them."""
     kv_scale = v.get("kv_scale")
     k_scale, v_scale = ((kv_scale, kv_scale) if kv_scale is not None else
                         (v.get("k_scale", 1.0), v.get("v_scale", 1.0)))
-    return DecodeCall(query, key_cache, v["value_cache"], v["block_tables"], v["seq_lens"],
-                      as_count("max_seq_len", v["max_seq_len"]), v["kv_cache_dtype"], kv_heads,
-                      head_mapping, v["scale"], v["alibi_slopes"], k_scale, v_scale, kv_scale,
-                      v.get("tp_rank", 0), (v.get("blocksparse_local_blocks", 0),
-                                            v.get("blocksparse_vert_stride", 0),
-                                            v.get("blocksparse_block_size", 64),
-                                            v.get("blocksparse_head_sliding_step", 0)))
+    return DecodeCall.checked(v["query"], v["key_cache"], v["value_cache"], v["block_tables"],
+                              v["seq_lens"], v["max_seq_len"], v["kv_cache_dtype"],
+                              v["num_kv_heads"], v["scale"], v["alibi_slopes"], k_scale, v_scale,
+                              kv_scale, v.get("tp_rank", 0),
+                              (v.get("blocksparse_local_blocks", 0),
+                               v.get("blocksparse_vert_stride", 0),
+                               v.get("blocksparse_block_size", 64),
+                               v.get("blocksparse_head_sliding_step", 0)))
 
 
 def make_decode_wrapper(family: Family, original: Callable[..., Any],
                         module: types.ModuleType, settings: config.Settings) -> Wrapper:
-    reader = ArgReader.for_function(original, family.decode_params, "forward_decode")
+    reader = ArgReader.for_function(original, family.decode_params, "forward_decode",
+                                    DECODE_CALLS)
     names = reader.params
     decoder = decoder_for(module, settings)
     _patched.update(module=module, decoder=decoder)
@@ -175,7 +93,6 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
     def forward_decode(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         values = dict(zip(names, reader.read(args, kwargs)))  # by name: every family
-        _count("forward_decode")
         return decoder.decode(decode_call(values))
 
     return forward_decode
@@ -183,14 +100,14 @@ def make_decode_wrapper(family: Family, original: Callable[..., Any],
 
 def make_prefix_wrapper(family: Family, original: Callable[..., Any],
                         module: types.ModuleType, settings: config.Settings) -> Wrapper:
-    reader = ArgReader.for_function(original, family.prefix_params, "forward_prefix")
+    reader = ArgReader.for_function(original, family.prefix_params, "forward_prefix",
+                                    PREFIX_CALLS)
     index = {name: i for i, name in enumerate(family.prefix_params)}
     budget = settings.prefix_budget_mb
 
     def forward_prefix(wrapped: Callable[..., Any], instance: Any,
                        args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         v = reader.read(args, kwargs)
-        _count("forward_prefix")
         query_start_loc = v[index["query_start_loc"]]
         seq_lens = v[index["seq_lens_tensor"]]
         if "context_lens" in index:

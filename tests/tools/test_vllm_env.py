@@ -1,4 +1,4 @@
-"""scripts/vllm_env, without network or a vLLM: the release table and the ``--exclude-newer``
+"""tools/vllm_env, without network or a vLLM: the release table and the ``--exclude-newer``
 cut-off, the plan of an install (overrides/excludes file contents), the pyairports stub wheel,
 the ELF version-need patcher on small libraries built here with gcc, and the entry points."""
 
@@ -14,11 +14,11 @@ import zipfile
 
 import pytest
 
-import vllm_env
-from vllm_env import elf, installer, releases, stubs
+from tools import vllm_env
+from tools.vllm_env import elf, installer, releases, stubs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = os.path.join(ROOT, "scripts")
+TOOLS = os.path.join(ROOT, "tools")
 
 
 # --- releases -------------------------------------------------------------------------------
@@ -329,21 +329,22 @@ def test_public_names():
 @pytest.mark.parametrize("how", ["directory", "module"])
 def test_command_line_runs_as_directory_and_module(how, tmp_path):
     args = ["1.2.3", str(tmp_path / "bin" / "python3")]  # a python path that does not exist
-    cmd = [sys.executable, os.path.join(SCRIPTS, "vllm_env")] if how == "directory" else \
-        [sys.executable, "-m", "vllm_env"]
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60, cwd=SCRIPTS,
+    cmd = [sys.executable, os.path.join(TOOLS, "vllm_env")] if how == "directory" else \
+        [sys.executable, "-m", "tools.vllm_env"]
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=""))
     assert proc.returncode == 1, proc.stderr
     assert "vllm_env: error: no such python:" in proc.stderr and "bin/python3" in proc.stderr
 
 
 def test_noxfile_import_style_finds_the_package():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_env; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tools import vllm_env; "
             "print(vllm_env.__file__, vllm_env.install.__module__)")
-    out = subprocess.run([sys.executable, "-c", code, SCRIPTS], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True,
                          timeout=60, cwd="/", env=dict(os.environ, PYTHONPATH=""))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [os.path.join(SCRIPTS, "vllm_env", "__init__.py"), "vllm_env.installer"]
+    assert out.stdout.split() == [os.path.join(TOOLS, "vllm_env", "__init__.py"),
+                                  "tools.vllm_env.installer"]
 
 
 def test_modified_files_finds_an_edited_installed_file(tmp_path):

@@ -16,7 +16,7 @@ from typing import Dict
 
 PYAIRPORTS_STUB_VERSION = "0.0.1+vllmenv.stub"
 _PYAIRPORTS_STUB = (
-    '"""Stub of pyairports written by scripts/vllm_env: outlines only needs the name."""\n'
+    '"""Stub of pyairports written by tools/vllm_env: outlines only needs the name."""\n'
     'AIRPORT_LIST = [("Stub Airport", "Stub", "Stub", "XXX", "", "", "", "", "", "", "", "")]\n'
 )
 

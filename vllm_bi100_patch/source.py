@@ -1,0 +1,44 @@
+"""A function's source as a syntax tree: the one parse the code checks share.
+
+The patch rows' checks (``patches/``), doctor's audit of the ops module (``ops_audit``) and the
+native kernels' stub check (``native/probe.py``) all read vLLM's or a build's code this way.
+Patching layer, stdlib only (no torch, no vLLM).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any, Callable, List, Optional, Tuple
+
+__all__ = ["body_without_docstring", "function_def", "source_tree"]
+
+
+def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable[..., Any]]]:
+    """The parsed source of ``func`` and the function it was read from, looking through
+    ``functools.wraps`` wrappers; None when the source cannot be read (builtins, C ops)."""
+    try:
+        inner = inspect.unwrap(func)
+        return ast.parse(textwrap.dedent(inspect.getsource(inner))), inner
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+
+
+def function_def(func: Callable[..., Any]) -> Optional[ast.FunctionDef]:
+    """The one function definition in ``func``'s source (``source_tree``), or None when the
+    source cannot be read or does not hold exactly one (async definitions count)."""
+    parsed = source_tree(func)
+    if parsed is None:
+        return None
+    defs = [n for n in parsed[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return defs[0] if len(defs) == 1 else None  # type: ignore[return-value]
+
+
+def body_without_docstring(fn: ast.FunctionDef) -> List[ast.stmt]:
+    """``fn``'s statements, a leading docstring left out."""
+    body: List[ast.stmt] = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return body
