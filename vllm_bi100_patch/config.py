@@ -75,8 +75,8 @@ VARIABLES: Tuple[Variable, ...] = (
              "Decode goes to the pure-PyTorch kernel when the longest sequence exceeds this many "
              "tokens; `0` forces the fallback always."),
     Variable(PREFIX_BUDGET_MB, "256", "integer >= 1",
-             "Peak extra memory (MiB) the pure-PyTorch prefix kernel may use per call; work is "
-             "tiled to stay under it, whatever the context length."),
+             "Peak extra memory (MiB) each pure-PyTorch kernel (decode, prefix, dense prompt) may "
+             "use per call; work is tiled to stay under it, whatever the context length."),
     Variable(SM_COUNT, "(device)", "integer >= 1",
              "SM count used by the V1/V2 decode rule; default: read from the device, 16 (BI-V100) "
              "when it cannot be read."),

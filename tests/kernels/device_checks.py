@@ -281,9 +281,54 @@ def check_cuda_no_sync_and_budget(device: torch.device) -> None:
     assert extra <= 64 << 20, extra
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _invariance_case(dtype: torch.dtype, lens: List[int], seed: int = 7):
+    """Sequences ``lens`` in random blocks, a block table with garbage padding columns."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / 16) for n in lens) + 2
+    kc, vc = make_cache(num_blocks, 2, 128, 16, dtype, gen=g)
+    width = max(math.ceil(n / 16) for n in lens) + 5
+    bt = make_tables(lens, 16, width, num_blocks, g, pad=num_blocks + 999)
+    q = torch.randn(len(lens), 8, 128, generator=g).to(dtype)
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def check_decode_batch_invariance(device: torch.device) -> None:
+    """A sequence's decode output is bit-identical alone and batched (a mate past 8,192
+    tokens, short and empty mates, padding columns, two orders, a budget that forces passes),
+    with GQA and ALiBi.  Exact on CPU by construction (every product and reduction has the
+    tile's shape); on a GPU the matrix-product library could still pick another algorithm by
+    batch count: this check shows whether it does."""
+    failures = []
+    for dtype in _dtypes(device):
+        q, kc, vc, bt, sl = _invariance_case(dtype, [3000, 9000, 100, 0])
+        slopes = torch.linspace(0.01, 0.2, 8)
+        for alibi in (None, slopes):
+            alone_args = [t.to(device) for t in (q[:1], kc, vc, bt[:1, :188].clone(), sl[:1])]
+            alone = paged_decode(*alone_args, 0.09, max_seq_len=3000,
+                                 alibi_slopes=None if alibi is None else alibi.to(device))
+            order = [2, 0, 3, 1]
+            for budget_mb, rows in ((256, list(range(4))), (1, order)):
+                args = [t.to(device) for t in (q[rows], kc, vc, bt[rows], sl[rows])]
+                batched = paged_decode(*args, 0.09, max_seq_len=9000, budget_mb=budget_mb,
+                                       alibi_slopes=None if alibi is None else alibi.to(device))
+                row = rows.index(0)
+                _sync(device)
+                got, want = batched[row].cpu(), alone[0].cpu()
+                if not torch.equal(_bits(got), _bits(want)):
+                    diff = (got.double() - want.double()).abs().max().item()
+                    failures.append((str(dtype), "alibi" if alibi is not None else "-",
+                                     budget_mb, diff))
+    assert not failures, f"decode rows differ alone vs batched: {failures}"
+
+
 CHECKS: List[Callable[[torch.device], None]] = [
     check_formulation, check_reference_grid, check_large_magnitudes, check_gqa_window_alibi,
-    check_unattended_slots, check_fp8_cache, check_cuda_no_sync_and_budget,
+    check_unattended_slots, check_fp8_cache, check_decode_batch_invariance,
+    check_cuda_no_sync_and_budget,
 ]
 
 

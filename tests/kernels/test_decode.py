@@ -12,6 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tools.memtrack import PeakMemory
+
+from vllm_bi100_patch.kernels import _common
 from vllm_bi100_patch.kernels import decode as decode_mod
 from vllm_bi100_patch.kernels import paged_decode
 
@@ -176,27 +179,63 @@ def _python_calls(fn):
     return len(events)
 
 
-def test_call_count_independent_of_num_seqs():
-    counts = []
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_call_count_independent_of_num_seqs(path, monkeypatch):
+    """While one pass fits the budget, the Python-level work of a call does not grow with
+    the number of sequences, each cache is gathered once, and on the device path the op
+    sequence is the same (on CPU a reshape may be a view for one sequence)."""
+    layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    counts, ops = [], []
     for num_seqs in (1, 16):
-        q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 16, [1000] * num_seqs)
+        q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 16, [400] * num_seqs)
+        plan = decode_mod.plan_decode(q, _common.check_cache(kc, vc, q.dtype, "auto"), 400)
+        assert plan.chunk == plan.tiles and plan.seq_group == num_seqs  # one pass
         counts.append(_python_calls(
-            lambda a=(q, kc, vc, bt, sl): paged_decode(*a, 0.1, max_seq_len=1000)))
+            lambda a=(q, kc, vc, bt, sl): paged_decode(*a, 0.1, max_seq_len=400)))
         with _OpLog() as log:
-            paged_decode(q, kc, vc, bt, sl, 0.1, max_seq_len=1000)
-        assert sum("index_select" in op for op in log.ops) == 2 * 2  # 2 tiles x (K, V)
+            paged_decode(q, kc, vc, bt, sl, 0.1, max_seq_len=400)
+        gathers = [op for op in log.ops if "index_select" in op or "aten.index." in op]
+        assert len(gathers) == 2, gathers  # K and V, once each
+        ops.append(log.ops)
     assert counts[0] == counts[1]
+    if path == "gpu":
+        assert ops[0] == ops[1]
 
 
-def test_tile_scratch_bounded_for_huge_batches():
-    tile = decode_mod.decode_tile_tokens(4096, 8, 128, 16, 32768)
-    assert tile % 16 == 0 and tile >= 16
-    assert 4096 * 8 * 128 * 4 * 2 * tile <= max(decode_mod.DECODE_TILE_BYTES,
-                                                 4096 * 8 * 128 * 4 * 2 * 16)
-    assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 100) == 112
-    assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 4096) == 512
-    assert decode_mod.decode_tile_tokens(1, 8, 128, 16, 32768) == 2048  # at most 16 tiles
-    assert decode_mod.decode_tile_tokens(4, 8, 128, 16, 32768) == 2048  # same for a batch
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_plan_bounded_for_huge_batches(path, monkeypatch):
+    """4,096 sequences over 32,768 positions (8 KV heads of 128, bf16): the plan's passes
+    keep the working set under the budget (groups of sequences, one tile per pass at
+    worst), with the same fixed tile as a single sequence."""
+    layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    q = torch.empty(4096, 32, 128, dtype=torch.bfloat16, device="meta")
+    kc = torch.empty(4096 * 2048, 8, 16, 16, 8, dtype=torch.bfloat16, device="meta")
+    vc = torch.empty(4096 * 2048, 8, 128, 16, dtype=torch.bfloat16, device="meta")
+    spec = _common.check_cache(kc, vc, q.dtype, "auto")
+    huge = decode_mod.plan_decode(q, spec, 32768, 256)
+    alone = decode_mod.plan_decode(q[:1], spec, 32768, 256)
+    assert huge.tile == alone.tile and huge.tiles == alone.tiles == 32768 // huge.tile
+    gathered = huge.seq_group * huge.chunk * huge.tile * 8 * 128 * 4
+    assert 1 <= huge.seq_group < 4096 and gathered <= 256 << 20, huge
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("budget_mb", [2, 8])
+def test_peak_memory_under_budget(path, budget_mb, monkeypatch):
+    """The working set of a call (tools.memtrack, besides the output) stays under
+    ``budget_mb`` whatever the context, and the answer does not depend on the budget."""
+    layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    q, kc, vc, bt, sl = _case(torch.bfloat16, 128, 8, 4, 16, [6000, 3000, 17, 0], seed=2)
+    with PeakMemory() as mem:
+        out = paged_decode(q, kc, vc, bt, sl, 0.1, budget_mb=budget_mb)
+    assert mem.peak_bytes - out.untyped_storage().nbytes() <= budget_mb << 20
+    assert torch.equal(out, paged_decode(q, kc, vc, bt, sl, 0.1))
 
 
 @pytest.mark.parametrize(

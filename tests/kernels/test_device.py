@@ -35,4 +35,4 @@ def test_plain_runner_without_pytest():
     proc = subprocess.run([sys.executable, device_checks.__file__, "--device", "cpu"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "device checks on cpu: 6 passed, 0 failed, 1 skipped" in proc.stdout
+    assert "device checks on cpu: 7 passed, 0 failed, 1 skipped" in proc.stdout

@@ -159,3 +159,25 @@ def test_every_kernel_rule_is_driven_both_ways_and_described_where_it_applies():
     if FP8 == "auto":
         names.discard("fp8")
     assert names <= excluded and names <= passed, (excluded, passed)
+
+
+def test_the_fallback_works_under_the_settings_budget(monkeypatch):
+    """The patch's decoder hands ``VLLM_BI100_PREFIX_BUDGET_MB`` to the pure-PyTorch decode:
+    a smaller budget means more passes, the same answer."""
+    from vllm_bi100_patch import config
+    from vllm_bi100_patch.patches import paged_attention
+
+    seen = []
+    real = dec.paged_decode
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["budget_mb"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dec, "paged_decode", spy)
+    module = types.ModuleType("attn_without_ops")
+    call = _call(lens=(5, 300))
+    outs = [paged_attention.decoder_for(module, config.Settings(prefix_budget_mb=mb)).decode(call)
+            for mb in (1, 512)]
+    assert seen == [1, 512]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)

@@ -258,20 +258,28 @@ def pow2_at_least(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(t.float().clamp_min(tiny))))
 
 
-def bounded_query(q: torch.Tensor, scale: ScaleLike, dtype: torch.dtype
+def bounded_query(q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``scale * q`` split as ``q' * factor`` for half-precision score products.
+    """``q`` split as ``q' * step`` for half-precision score products: ``(q', step)``.
 
-    ``q'`` (in ``dtype``, contiguous) is ``q`` divided by a power of two per row (last
-    dimension) so that ``max |q'| <= 1 / head_size``: then ``|q' . k| <= max |k|`` for every
-    key, so a product of ``q'`` with keys finite in ``dtype`` is finite in ``dtype`` whatever
-    its reduction order, and float32 scores are ``(q' . k) * factor`` (``factor`` float32,
-    ``[..., 1]``: the power of two times ``scale``).  Dividing by a power of two is exact
-    (float16 components below 2**-14 of it lose low bits, far below the score's own
-    rounding)."""
-    qf = q.to(torch.float32)
-    step = pow2_at_least(qf.abs().amax(dim=-1, keepdim=True) * q.shape[-1])
-    return (qf / step).to(dtype).contiguous(), step * scale
+    ``step`` (float32, ``[..., 1]``) is the smallest power of two above the L1 norm of each
+    row (last dimension; 1 for a zero row) and ``q' = q / step`` in ``dtype`` (written into
+    ``out``, which may broadcast ``q`` over leading dimensions, when given).  Dividing by a
+    power of two is exact (float16 components below ``2**-14`` of it lose low bits), so
+    ``sum |q'| < 1`` and ``|q' . k| < max |k|`` for every key: a product of ``q'`` with keys
+    finite in ``dtype`` is finite in ``dtype`` whatever its reduction order.  The float32
+    scores are ``(q' . k) * step``.
+
+    The L1 norm, not ``head_size * max |q|``, keeps the small components of a query with an
+    outlier channel out of float16's subnormal range: a component keeps full precision down
+    to ``2**-14`` of the row's L1 norm (smaller ones add at most ``2**-25`` of it each to a
+    score)."""
+    norm = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float32)
+    step = torch.pow(2.0, torch.frexp(norm).exponent)  # norm = m * 2**e, 1/2 <= m < 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    torch.div(q.expand(out.shape), step, out=out)
+    return out, step
 
 
 def as_count(name: str, value: object) -> int:

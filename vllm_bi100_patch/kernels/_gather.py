@@ -20,6 +20,12 @@ Two layouts (``_common.fast_layout``):
 probability of exactly 0 does not cancel a NaN or inf value (``0 * nan = nan``), so slots
 past a sequence's end, blocks read for padding columns and uninitialised fp8 bytes must
 not reach ``P.V``.  A stored 0 byte is +0.0 in every cache dtype.
+
+Token gathers (decode on devices, ``_decode_device``): one advanced-indexing op per tile
+chunk reads every position from its own ``(block, slot)``, so a position can be redirected
+to another token (the decode path sends hidden positions to a visible one instead of
+zeroing values), in the layout ``[tiles, S, kv, tile, D]`` whose ``(tile, sequence, kv
+head)`` rows are the matrix products' batch.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch
 
 from ._common import CacheSpec, fast_layout, to_float
 
-__all__ = ["gather_keys", "gather_values", "gather_values_blocks"]
+__all__ = ["gather_keys", "gather_token_keys", "gather_token_values", "gather_values",
+           "gather_values_blocks"]
 
 
 def gather_keys(key_cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, blocks: int,
@@ -109,3 +116,41 @@ def _zero_hidden(raw: torch.Tensor, hidden: Optional[torch.Tensor], num_seqs: in
     if hidden is not None:
         raw.view(num_seqs, blocks, spec.num_kv_heads, spec.head_size, spec.block_size)\
             .masked_fill_(hidden.view(num_seqs, blocks, 1, 1, spec.block_size), 0)
+
+
+def _token_indices(blocks: torch.Tensor, slots: torch.Tensor, heads: Optional[torch.Tensor],
+                   first: int, count: int):
+    """Index tensors for tiles ``first .. first + count`` (``blocks`` ``[tiles, S, nb]``,
+    ``slots`` ``[tiles, S, nb, bs]``, both contiguous: the result is laid out like them),
+    broadcasting to ``[count, S, kv, nb, bs]``; the kv head index is a slice (``None``) for
+    one KV head."""
+    b = blocks[first:first + count].unsqueeze(2).unsqueeze(-1)
+    s = slots[first:first + count].unsqueeze(2)
+    return b, s, (slice(None) if heads is None else heads)
+
+
+def _converted(tile: torch.Tensor, spec: CacheSpec, dtype: torch.dtype) -> torch.Tensor:
+    tile = to_float(tile, spec)
+    return tile if tile.dtype == dtype else tile.to(dtype)
+
+
+def gather_token_keys(key_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor,
+                      heads: Optional[torch.Tensor], first: int, count: int, spec: CacheSpec,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Keys of tiles ``first .. first + count`` as ``[count * S * kv, tile, D]`` in
+    ``dtype``: position ``j`` of tile ``t`` of sequence ``s`` reads slot
+    ``slots[t, s, j // bs, j % bs]`` of block ``blocks[t, s, j // bs]``."""
+    b, s, h = _token_indices(blocks, slots, heads, first, count)
+    tile = key_cache[b, h, :, s, :]  # [count, S, kv, nb, bs, D/x, x] (kv last for a slice)
+    return _converted(tile, spec, dtype).view(-1, slots.shape[2] * spec.block_size,
+                                              spec.head_size)
+
+
+def gather_token_values(value_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor,
+                        heads: Optional[torch.Tensor], first: int, count: int,
+                        spec: CacheSpec, dtype: torch.dtype) -> torch.Tensor:
+    """Values like ``gather_token_keys``: ``[count * S * kv, tile, D]`` in ``dtype``."""
+    b, s, h = _token_indices(blocks, slots, heads, first, count)
+    tile = value_cache[b, h, :, s]  # [count, S, kv, nb, bs, D]
+    return _converted(tile, spec, dtype).view(-1, slots.shape[2] * spec.block_size,
+                                              spec.head_size)

@@ -7,6 +7,9 @@ max, after the state has been rescaled by ``exp(m_old - m_new)``; the caller the
 ``P.V`` into ``acc``.  The row sum is either folded into that product (a ones column in
 ``V``, so ``acc[..., width - k]`` holds it: no separate pass over the probabilities) or
 kept in ``l_sum``.
+
+``tree_sum`` merges partial results of absolute key tiles in an order that depends only on
+the tiles' indices (decode: ``_decode_tiles``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["OnlineSoftmax"]
+__all__ = ["OnlineSoftmax", "tree_sum"]
 
 
 class OnlineSoftmax:
@@ -74,3 +77,20 @@ class OnlineSoftmax:
         total = self.l_sum if self.l_sum is not None else self.acc[..., head_size:head_size + 1]
         out = self.acc[..., :head_size]
         return out.div_(total.clamp_min(1e-30))
+
+
+def tree_sum(leaves: torch.Tensor) -> torch.Tensor:
+    """The sum over dimension 0 (a power of two long) as a pairwise tree of adjacent pairs:
+    ``(x0 + x1) + (x2 + x3)``, and so on up; returns ``[1, ...]``.
+
+    The association depends only on the leaves' indices: an aligned power-of-two run of
+    leaves is a complete subtree (partial sums of such runs, computed in separate passes,
+    are exactly the tree's nodes), and leaves that are exactly zero change no bit of the
+    result (``x + 0 == x``), so padding with zero leaves to any larger power of two gives
+    the same sum.  Each level is one elementwise add (a launch on a GPU)."""
+    length = leaves.shape[0]
+    if length & (length - 1):
+        raise ValueError(f"tree_sum needs a power-of-two number of leaves, got {length}")
+    while leaves.shape[0] > 1:
+        leaves = torch.add(leaves[0::2], leaves[1::2])
+    return leaves

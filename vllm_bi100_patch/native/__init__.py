@@ -27,6 +27,7 @@ import types
 from typing import Any, Callable, Union
 
 from .calls import DecodeCall, check_head_mapping, check_shapes
+from ..kernels import DEFAULT_BUDGET_MB
 from .decoder import NativeDecoder, reset_route_counts, route_counts, scratch_bytes
 from .probe import OpsProfile, compiled_kernels_missing
 from .routes import (ILUVATAR_V1_MAX_SEQ_LEN, NATIVE_HEAD_SIZES, STOCK_V1_MAX_SEQ_LEN, RouteTable,
@@ -38,14 +39,17 @@ __all__ = ["DecodeCall", "ILUVATAR_V1_MAX_SEQ_LEN", "NATIVE_HEAD_SIZES", "Native
            "route_counts", "scratch_bytes"]
 
 
-def build(ops: Any, routing: Union[Routing, Callable[[], Routing]]) -> NativeDecoder:
+def build(ops: Any, routing: Union[Routing, Callable[[], Routing]],
+          budget_mb: int = DEFAULT_BUDGET_MB) -> NativeDecoder:
     """The decoder of ``ops`` (None: no native ops) under ``routing`` (or the function that
-    makes it, called on first use): its probe, its route table, the decoder."""
-    return NativeDecoder(ops, RouteTable(OpsProfile(ops) if ops is not None else None, routing))
+    makes it, called on first use): its probe, its route table, the decoder (its fallback's
+    working set per call: ``budget_mb``)."""
+    return NativeDecoder(ops, RouteTable(OpsProfile(ops) if ops is not None else None, routing),
+                         budget_mb)
 
 
 def for_module(module: types.ModuleType, routing: Union[Routing, Callable[[], Routing]],
-               ixformer: bool) -> NativeDecoder:
+               ixformer: bool, budget_mb: int = DEFAULT_BUDGET_MB) -> NativeDecoder:
     """The decoder for the ops a vLLM attention module calls (its ``ops``, else
     ``vllm._custom_ops`` if imported); no native ops where those have no compiled kernels
     behind them (``probe.compiled_kernels_missing``)."""
@@ -54,4 +58,4 @@ def for_module(module: types.ModuleType, routing: Union[Routing, Callable[[], Ro
         ops = sys.modules.get("vllm._custom_ops")
     if ops is not None and compiled_kernels_missing(ops, ixformer) is not None:
         ops = None
-    return build(ops, routing)
+    return build(ops, routing, budget_mb)

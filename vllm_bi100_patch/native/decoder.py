@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Protocol, Tuple
 import torch
 
 from .. import counters
-from ..kernels import paged_decode
+from ..kernels import DEFAULT_BUDGET_MB, paged_decode
 from .calls import DecodeCall, call_unreadable
 from .probe import KernelProfile, OpsProfile
 from .scratch import Scratch
@@ -81,9 +81,10 @@ class RouteSource(Protocol):
 class NativeDecoder:
     """The native decode of one ops object (None: no native ops) through its route table."""
 
-    def __init__(self, ops: Any, routes: RouteSource) -> None:
+    def __init__(self, ops: Any, routes: RouteSource, budget_mb: int = DEFAULT_BUDGET_MB) -> None:
         self.ops = ops
         self.routes = routes
+        self.budget_mb = budget_mb  # the fallback's working set per call
 
     @property
     def profile(self) -> Optional[OpsProfile]:
@@ -120,7 +121,8 @@ class NativeDecoder:
         return paged_decode(call.query, call.key_cache, call.value_cache, call.block_tables,
                             call.seq_lens, call.scale, alibi_slopes=call.alibi_slopes,
                             kv_cache_dtype=call.kv_cache_dtype, k_scale=call.k_scale,
-                            v_scale=call.v_scale, max_seq_len=call.max_seq_len)
+                            v_scale=call.v_scale, max_seq_len=call.max_seq_len,
+                            budget_mb=self.budget_mb)
 
     def _run(self, kernel: KernelProfile, call: DecodeCall, out: torch.Tensor,
              v2: bool) -> bool:

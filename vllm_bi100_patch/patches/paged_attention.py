@@ -41,7 +41,8 @@ def routing_for(settings: config.Settings) -> native.Routing:
 
 def decoder_for(module: types.ModuleType, settings: config.Settings) -> NativeDecoder:
     """The native decoder for the ops ``module`` uses (see ``native.for_module``)."""
-    return native.for_module(module, lambda: routing_for(settings), hardware.ixformer_present())
+    return native.for_module(module, lambda: routing_for(settings), hardware.ixformer_present(),
+                             settings.prefix_budget_mb)
 
 
 #: The decoder of the last decode patch and its module, for ``native_profile()``.
