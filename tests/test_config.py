@@ -78,3 +78,18 @@ def test_env_table_documents_every_variable():
     table = config.env_table()
     for var in config.VARIABLES:
         assert f"`{var.name}`" in table
+
+
+@pytest.mark.parametrize("raw,value", [("", "auto"), ("auto", "auto"), (" Shim ", "shim"),
+                                       ("shim", "shim")])
+def test_prompt_attention_accepts_auto_and_shim(raw, value):
+    s = config.load({config.PROMPT_ATTENTION: raw})
+    assert s.prompt_attention == value and s.errors == ()
+
+
+@pytest.mark.parametrize("raw", ["1", "vendor", "yes", "on", "shims"])
+def test_prompt_attention_rejects_anything_else(raw):
+    s = config.load({config.PROMPT_ATTENTION: raw})
+    assert s.prompt_attention == "auto"
+    assert s.errors == (f"{config.PROMPT_ATTENTION}={raw!r} is invalid; accepted: auto, shim "
+                        "(using the default auto)",)

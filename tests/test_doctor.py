@@ -37,6 +37,10 @@ def fakes(tmp_path_factory):
                                          metadata_builder="fixed"),
         "builder_unknown": write_fake_vllm(str(base / "builder_unknown"), "0.6.3.post1",
                                            metadata_builder="bug"),
+        "xformers_backend": write_fake_vllm(str(base / "xformers_backend"), "0.6.3.post1",
+                                            metadata_builder="fixed", xformers_backend=True),
+        "fake_xformers": os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tests", "fakes", "fake_xformers"),
         "ixformer": str(ixformer),
         "corex": str(corex),
     }
@@ -199,6 +203,50 @@ def test_doctor_shows_the_block_table_row(fakes):
     unknown = cli(fakes, "builder_unknown", "doctor", VLLM_BI100_PATCH="1")
     line = [ln for ln in unknown.stdout.splitlines() if "code check _add_seq_group" in ln]
     assert line and "FAIL" in line[0] and "fingerprint" in line[0], unknown.stdout
+
+
+def _invariance_lines(stdout):
+    server = [ln for ln in stdout.splitlines() if "] a server here: " in ln]
+    process = re.findall(r"\[info\] slicing_invariant: (.*)$", stdout, re.M)
+    assert len(server) == 1 and len(process) == 1, stdout
+    return server[0].split("] a server here: ", 1)[1], process[0]
+
+
+# env -> (a server here, this process): how each line starts
+INVARIANCE = {
+    "default": ({}, "no: prompts without a cached prefix run on the backend's own kernel, not "
+                "the shim's (the backend's xops is xformers.ops, not ixformer's); set "
+                "VLLM_BI100_PROMPT_ATTENTION=shim", "no: prompts without a cached prefix"),
+    "opt-in": ({"VLLM_BI100_PROMPT_ATTENTION": "shim"}, "yes: every prompt and prefix "
+               "attention of the XFormers backend is the shim's", "yes: every prompt"),
+    "prefix-disabled": ({"VLLM_BI100_PROMPT_ATTENTION": "shim", "VLLM_BI100_PATCH_DISABLE":
+                         "prefix"}, "no: the prefix row is not applied (disabled by "
+                        "VLLM_BI100_PATCH_DISABLE)", "no: the prefix row is not applied"),
+    "kill-switch": ({"VLLM_BI100_PATCH": "0"}, "no: the shim will not patch here "
+                    "(VLLM_BI100_PATCH=0", "no: the shim is off"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVARIANCE))
+def test_doctor_says_whether_the_guarantee_holds(fakes, case):
+    """A fake 0.6.3 tree with a stock-shaped XFormers backend: the server line (from the code
+    checks) and doctor's own process (patched by doctor's imports) say the same."""
+    env, server, process = INVARIANCE[case]
+    env = dict({"VLLM_BI100_PATCH": "1"}, **env)
+    proc = cli(fakes, "xformers_backend", "doctor", extra_path=("fake_xformers",), **env)
+    said_server, said_process = _invariance_lines(proc.stdout)
+    assert said_server.startswith(server), said_server
+    assert said_process.startswith(process), said_process
+    state = "ok" if case == "opt-in" else "info"
+    assert f"[{state:4}] a server here: " in proc.stdout
+
+
+def test_status_says_whether_the_guarantee_holds(fakes):
+    """``status`` imports no vLLM: its process has not patched anything yet."""
+    out = cli(fakes, "xformers_backend", "status", extra_path=("fake_xformers",),
+              VLLM_BI100_PATCH="1").stdout
+    assert re.search(r"^slicing_invariant +unknown: vLLM's attention is not imported in this "
+                     r"process yet", out, re.M), out
 
 
 def _hint_lines(stdout):

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from vllm_bi100_patch import config
 from vllm_bi100_patch.patches import kv_write
 
 HEAD = ("def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,"
@@ -34,7 +35,7 @@ def _module(tmp_path, body: str):
 ])
 def test_needed_unless_the_dtype_and_both_scales_are_passed_on(tmp_path, args, needed):
     mod = _module(tmp_path, f"    lib.write(key, value, key_cache, value_cache, slot_mapping{args})\n")
-    why = kv_write.write_needed(mod)
+    why = kv_write.write_needed(mod, config.load({}))
     if needed:
         assert why is None
     else:

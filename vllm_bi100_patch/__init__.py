@@ -52,13 +52,15 @@ def revert() -> Dict[str, Any]:
 
 def status() -> Dict[str, Any]:
     """Facts about this process: configuration, vLLM version and family, what is patched,
-    the import guard, call and route counters, where the metrics go. Imports nothing heavy,
-    patches nothing.
+    the import guard, call and route counters, where the metrics go, and
+    ``slicing_invariant``: whether every prompt and prefix attention row is the shim's, hence
+    bit-identical however vLLM slices a prompt (``invariance.verdict``). Imports nothing
+    heavy, patches nothing.
 
     ``mode`` and ``disabled`` are the configuration this process acted on (read at its
     activation); when the environment says otherwise now, ``config_live`` holds what it says
     (it takes effect in new processes, or at the next ``apply()``)."""
-    from . import _bootstrap, config, import_guard, versions
+    from . import _bootstrap, config, import_guard, invariance, versions
 
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
@@ -101,6 +103,9 @@ def status() -> Dict[str, Any]:
 
             data["native_ops"] = paged_attention.native_profile()
         data["import_guard"] = import_guard.state()
+        data["slicing_invariant"] = invariance.verdict(
+            settings, data["report"], data["counts"],
+            inactive=None if data["active"] else data["decision"])
         if "vllm_bi100_patch.metrics_export" in sys.modules:
             from . import metrics_export
 

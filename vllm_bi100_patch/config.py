@@ -4,9 +4,9 @@ Nothing here imports torch or vLLM: the bootstrap reads this module at interpret
 Each variable is declared once in ``VARIABLES`` (name, default, accepted values, meaning);
 the README table is generated from that list (``python -m vllm_bi100_patch env-table``).
 
-Accepted values are exactly the documented ones (surrounding spaces ignored; ``auto``, ``never`` and
-the log levels in any case). An invalid value never raises here: it is recorded, with the value as
-given, in ``Settings.errors`` and the variable keeps its default (an invalid
+Accepted values are exactly the documented ones (surrounding spaces ignored; ``auto``, ``never``,
+``shim`` and the log levels in any case). An invalid value never raises here: it is recorded,
+with the value as given, in ``Settings.errors`` and the variable keeps its default (an invalid
 ``VLLM_BI100_PATCH`` keeps the shim off). The bootstrap reports the errors once, in processes
 that import vLLM; under strict mode it refuses to let vLLM import instead.
 """
@@ -34,6 +34,12 @@ SUBSCRIPTION = "VLLM_BI100_SUBSCRIPTION"
 V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 DENSE_HEAD_MAX = "VLLM_BI100_DENSE_HEAD_MAX"
 METRICS_INTERVAL = "VLLM_BI100_METRICS_INTERVAL_S"
+PROMPT_ATTENTION = "VLLM_BI100_PROMPT_ATTENTION"
+
+#: ``Settings.prompt_attention``: the shim computes prompts only where the vendor kernel fails,
+#: or every prompt (so that cached and uncached prompts give bit-identical attention rows).
+PROMPT_AUTO = "auto"
+PROMPT_SHIM = "shim"
 
 #: Names accepted in VLLM_BI100_PATCH_DISABLE: one per row of the patch table.
 PATCH_NAMES: Tuple[str, ...] = table.names()
@@ -91,6 +97,16 @@ VARIABLES: Tuple[Variable, ...] = (
              "Seconds between two writes of a process's `vllm_bi100:` series to "
              "`PROMETHEUS_MULTIPROC_DIR` (where vLLM set it up): the most the shim's series on "
              "`/metrics` lag behind (see Metrics). `0`: the shim exports nothing."),
+    Variable(PROMPT_ATTENTION, "auto", "`auto`, `shim`",
+             "Who computes the attention of prompts without a cached prefix (the XFormers "
+             "backend's `_run_memory_efficient_xformers_forward`, and vLLM's profiling run). "
+             "`auto`: the backend's own kernel, except where it fails (head sizes above "
+             "`VLLM_BI100_DENSE_HEAD_MAX` on builds whose backend uses ixformer's `FwOp`: "
+             "the shim's). `shim`: always the shim's pure-PyTorch varlen attention (row "
+             "`dense_prefill`, also on stock XFormers backends), so that every prompt and "
+             "prefix attention row is the shim's and bit-identical however vLLM slices the "
+             "prompt (uncached or a prefix-cache hit, any chunk size); slower than a fused "
+             "kernel (README, \"Same prompt, same answer\")."),
 )
 
 
@@ -99,15 +115,15 @@ class Settings:
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
-                 "dense_head_max", "metrics_interval_s", "errors", "raw")
+                 "dense_head_max", "metrics_interval_s", "prompt_attention", "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
                  prefix_budget_mb: int = 256, sm_count: Optional[int] = None,
                  sm_occupancy: int = 1, subscription: int = 5,
                  v1_max_seq_len: Optional[int] = None, dense_head_max: int = 128,
-                 metrics_interval_s: int = 5, errors: Tuple[str, ...] = (),
-                 raw: Optional[Mapping[str, str]] = None) -> None:
+                 metrics_interval_s: int = 5, prompt_attention: str = PROMPT_AUTO,
+                 errors: Tuple[str, ...] = (), raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
         self.strict = strict
@@ -120,6 +136,7 @@ class Settings:
         self.v1_max_seq_len = v1_max_seq_len
         self.dense_head_max = dense_head_max
         self.metrics_interval_s = metrics_interval_s
+        self.prompt_attention = prompt_attention
         self.errors = errors
         #: Every VLLM_BI100_* variable that was set, exactly as given.
         self.raw: Dict[str, str] = dict(raw or {})
@@ -203,6 +220,15 @@ def _parse_fallback(raw: str) -> Optional[int]:
     return _int_parser(0)(value)
 
 
+def _parse_prompt(raw: str) -> str:
+    value = raw.strip().lower()
+    if value in ("", PROMPT_AUTO):
+        return PROMPT_AUTO
+    if value == PROMPT_SHIM:
+        return PROMPT_SHIM
+    raise ValueError
+
+
 _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     MODE: ("mode", _parse_mode),
     DISABLE: ("disabled", _parse_disabled),
@@ -216,6 +242,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     V1_MAX_SEQ_LEN: ("v1_max_seq_len", _int_parser(1)),
     DENSE_HEAD_MAX: ("dense_head_max", _int_parser(1)),
     METRICS_INTERVAL: ("metrics_interval_s", _int_parser(0)),
+    PROMPT_ATTENTION: ("prompt_attention", _parse_prompt),
 }
 
 

@@ -13,7 +13,8 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import __version__, _bootstrap, advice, config, decision, hardware, status, versions
+from . import (__version__, _bootstrap, advice, config, decision, hardware, invariance, status,
+               versions)
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
@@ -35,16 +36,16 @@ class Section:
 
 STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
                "supported", "serving_path", "active", "decision", "activated_by", "patched",
-               "import_guard", "native_ops", "counts", "metrics", "config_errors", "last_error",
-               "config_live"]
+               "import_guard", "native_ops", "counts", "metrics", "slicing_invariant",
+               "config_errors", "last_error", "config_live"]
 
 
 PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
-                "last_error"]
+                "slicing_invariant", "last_error"]
 
 
 def process_lines(data: Dict[str, Any], keys: List[str] = STATUS_KEYS) -> List[str]:
-    return [f"{key:14} {data.get(key)}" for key in keys]
+    return [f"{key:17} {data.get(key)}" for key in keys]
 
 
 def _activation_paths() -> List[Check]:
@@ -82,9 +83,10 @@ def _is_our_sitecustomize(path: str) -> bool:
 
 
 def _code_checks(settings: config.Settings, family: versions.Family
-                 ) -> Tuple[List[Check], List[str]]:
+                 ) -> Tuple[List[Check], List[str], Dict[str, Any]]:
     """Import each module the patch table targets (behind the import guard) and check its rows,
-    as ``registry.apply_to`` does; also returns the conditional patches this build needs."""
+    as ``registry.apply_to`` does; also returns the conditional patches this build needs, and
+    the report a server here would make (``invariance.verdict`` reads it)."""
     import importlib
 
     from . import import_guard, registry, table
@@ -93,6 +95,8 @@ def _code_checks(settings: config.Settings, family: versions.Family
         import_guard.install()  # importing paged_attn must not pull in the Triton module
     out: List[Check] = []
     needed: List[str] = []
+    would: Dict[str, Any] = {"applied": [], "skipped": {}, "reason": None,
+                             "vllm_version": versions.installed_vllm_version().raw}
     for name in table.hooked_modules():
         try:
             module = importlib.import_module(name)
@@ -103,19 +107,27 @@ def _code_checks(settings: config.Settings, family: versions.Family
                 # vLLM cannot use it either, and its rows are all conditional
                 out.append(("info", f"import {name}", "not in this build: "
                             + ", ".join(s.name for s in rows) + f" not needed ({exc})"))
+                would["skipped"].update({s.name: f"not needed: {name} is not in this build"
+                                         for s in rows})
                 continue
             out.append(("FAIL", f"import {name}", f"{type(exc).__name__}: {exc}"))
             continue
         except (Exception, SystemExit) as exc:  # a module may call sys.exit() at import
             out.append(("FAIL", f"import {name}", _import_error(exc)))
             continue
-        missing = registry.missing_classes(module)
+        missing = registry.missing_classes(module, settings)
         if missing:
             out += [("FAIL", cls, "class missing") for cls in missing]
             continue
         for spec, outcome, detail in registry.check_rows(module, family,
-                                                         registry.specs_for(name)):
+                                                         registry.specs_for(name), settings):
             label = f"code check {spec.attr}"
+            if spec.name in settings.disabled:
+                would["skipped"][spec.name] = "disabled by " + config.DISABLE
+            elif outcome == "unneeded":
+                would["skipped"][spec.name] = "not needed: " + detail
+            elif outcome == "ok":
+                would["applied"].append(spec.name)
             if outcome == "unneeded":
                 out.append(("info", label, f"not needed in this build: {detail}"))
                 continue
@@ -124,7 +136,22 @@ def _code_checks(settings: config.Settings, family: versions.Family
             if outcome == "ok" and spec.row.when is not None \
                     and spec.name not in settings.disabled:
                 needed.append(spec.attr)
-    return out, needed
+    if any(state == "FAIL" for state, _, _ in out):
+        would.update(applied=[], reason="the code check fails: nothing is patched")
+    return out, needed, would
+
+
+def _invariance_section(settings: config.Settings, would: Optional[Dict[str, Any]],
+                        result: decision.Decision) -> Section:
+    """Whether a server here would compute every prompt and prefix attention with the shim's
+    kernels (rows bit-identical however vLLM slices a prompt), from the code checks."""
+    if would is None or not result.patches:
+        line = f"{invariance.NO}: the shim will not patch here ({result.reason})"
+    else:
+        line = invariance.verdict(settings, would)
+    state = "ok" if line.startswith(invariance.YES) else "info"
+    return Section("same prompt, same answer (slicing-invariant attention)",
+                   [(state, "a server here", line)])
 
 
 def _import_error(exc: BaseException) -> str:
@@ -232,8 +259,11 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
     code_problems: Optional[List[str]] = None
     conditional: List[str] = []
+    would: Optional[Dict[str, Any]] = None
+    invariance_at = len(sections)
     if family is not None and decision.decide(settings).open:
-        checked, code_problems, conditional = _patch_sections(settings, family)
+        checked, code_problems, conditional, would = _patch_sections(settings, family)
+        invariance_at = len(sections) + 1  # right after the code checks it is derived from
         sections += checked
         sections[2].checks.append(_device_check())  # torch is imported now (paged_attn is)
     elif family is None and info.raw is not None and _bootstrap.state()["active"]:
@@ -243,6 +273,7 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
             sections[1].checks.append(("FAIL", "import vllm", _import_error(exc)))
     result = decision.verdict(settings, info, code_problems,
                               any(s == "ok" for s, _, _ in paths), conditional)
+    sections.insert(invariance_at, _invariance_section(settings, would, result))
     sections.append(Section("this process (doctor itself, after the checks)",
                             [("info", line.split(" ", 1)[0], line.split(" ", 1)[1].strip())
                              for line in process_lines(status(), PROCESS_KEYS)]))
@@ -284,11 +315,12 @@ def _device_check() -> Check:
 
 
 def _patch_sections(settings: config.Settings, family: versions.Family
-                    ) -> Tuple[List[Section], List[str], List[str]]:
+                    ) -> Tuple[List[Section], List[str], List[str], Dict[str, Any]]:
     """What the shim would do with this vLLM: the code checks (importing the target modules,
     behind the import guard), the native decode kernels, the audit of the vendor ops; with
-    the failed checks and the conditional patches this build needs."""
-    checks, conditional = _code_checks(settings, family)
+    the failed checks, the conditional patches this build needs and the report a server here
+    would make."""
+    checks, conditional, would = _code_checks(settings, family)
     sections = [Section("code checks", checks)]
     if "vllm.attention.ops.paged_attn" in sys.modules:
         sections.append(_native_section(settings))
@@ -296,7 +328,8 @@ def _patch_sections(settings: config.Settings, family: versions.Family
 
     sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
                             ops_audit.doctor_checks()))
-    return sections, [detail for state, _, detail in checks if state == "FAIL"], conditional
+    return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,
+            would)
 
 
 def run() -> int:

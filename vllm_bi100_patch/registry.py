@@ -129,14 +129,14 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
 Check = Tuple[PatchSpec, str, str]
 
 
-def check_rows(module: types.ModuleType, family: versions.Family,
-               specs: List[PatchSpec]) -> List[Check]:
+def check_rows(module: types.ModuleType, family: versions.Family, specs: List[PatchSpec],
+               settings: config.Settings) -> List[Check]:
     """Check ``specs`` against ``module``: a conditional row is first asked whether this build
     needs it (only needed rows are code-checked), then each row's code is checked. The one loop
     both ``apply_to`` and doctor use; the owner classes must exist (see ``missing_classes``)."""
     out: List[Check] = []
     for spec in specs:
-        unneeded = spec.not_needed(module)
+        unneeded = spec.not_needed(module, settings)
         if unneeded:
             out.append((spec, "unneeded", unneeded))
             continue
@@ -197,7 +197,7 @@ def _target_verdict(module: types.ModuleType, settings: config.Settings,
     the target module: its rows' owner classes must exist."""
     if base is None or base.version != info.raw:
         base = decision.decide(settings, info, force=True)
-    missing = missing_classes(module)
+    missing = missing_classes(module, settings)
     return base.refine(target_missing=(
         f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
 
@@ -209,7 +209,7 @@ def _checked(module: types.ModuleType, family: versions.Family, settings: config
     todo: List[PatchSpec] = []
     failures: List[str] = []
     for spec, outcome, detail in check_rows(module, family,
-                                            _enabled_specs(settings, module.__name__)):
+                                            _enabled_specs(settings, module.__name__), settings):
         if outcome == "unneeded":
             report.skipped[spec.name] = "not needed: " + detail
             continue

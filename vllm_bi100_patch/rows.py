@@ -11,7 +11,7 @@ import inspect
 import types
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
-from . import table, versions
+from . import config, table, versions
 
 if TYPE_CHECKING:
     from .patches._common import Factory
@@ -64,13 +64,14 @@ class PatchSpec:
         """The row's factory (``patches._common.Factory``)."""
         return table.resolve(self.row.factory)  # type: ignore[return-value]
 
-    def not_needed(self, module: types.ModuleType) -> Optional[str]:
-        """Why this (conditional) patch is not needed for ``module``; None when it is."""
+    def not_needed(self, module: types.ModuleType, settings: config.Settings) -> Optional[str]:
+        """Why this (conditional) patch is not needed for ``module`` under ``settings``; None
+        when it is."""
         if self.row.when is None:
             return None
-        check: Callable[[types.ModuleType], Optional[str]] = table.resolve(  # type: ignore
-            self.row.when)
-        return check(module)
+        check: Callable[[types.ModuleType, config.Settings], Optional[str]] = (
+            table.resolve(self.row.when))  # type: ignore[assignment]
+        return check(module, settings)
 
 
 SPECS: Tuple[PatchSpec, ...] = tuple(PatchSpec(row) for row in table.methods())
@@ -101,11 +102,11 @@ def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Opt
     return None
 
 
-def missing_classes(module: types.ModuleType) -> List[str]:
+def missing_classes(module: types.ModuleType, settings: config.Settings) -> List[str]:
     """The owner classes of ``module``'s rows that the module does not define (rows whose
     own check says this build does not need them are left out)."""
     owners = dict.fromkeys(s.owner for s in specs_for(module.__name__)
-                           if not s.not_needed(module))
+                           if not s.not_needed(module, settings))
     return [name for name in owners if not isinstance(vars(module).get(name), type)]
 
 

@@ -24,9 +24,9 @@ Row fields:
   whose shape, not only its parameters, the patch relies on).
 - ``factory``: ``"module:function"`` building the wrapper (``factory(family, original, module,
   settings)``), or installing the guard.
-- ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module)``
-  returns None when the patch is needed in this build, else why not (the patch is then skipped,
-  which is not a failure).
+- ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module,
+  settings)`` returns None when the patch is needed in this build under the configuration
+  (``config.Settings``), else why not (the patch is then skipped, which is not a failure).
 - ``counters``: the names of the call counters the row's wrapper adds to (``status()["counts"]``);
   its module takes their handles with ``patches._common.counter(name)``, which refuses a name
   no row declares (at import, never in a call).
@@ -185,16 +185,31 @@ PATCHES: Tuple[Patch, ...] = (
         why="CoreX 3.2.3's XFormers backend runs every prompt without a cached prefix, and "
             "vLLM's memory-profiling run at start-up, through `ixformer.contrib.xformers`' "
             "flash `FwOp`, which fails above head size 128: a causal bias raises, a mask "
-            "returns wrong values silently; a head-256 model cannot start, or answers garbage",
+            "returns wrong values silently; a head-256 model cannot start, or answers garbage. "
+            "And wherever the backend's own kernel computes a prompt (a batch without context: "
+            "whole prompts, chunked prefill off as CoreX 3.2.3 runs it up to 32K tokens), the "
+            "same prompt sent again gets its rows from the shim's prefix kernel (its "
+            "prefix-cache hit): two kernels, which differ in the last bits, so a greedy "
+            "completion can change",
         how="only where the backend's `xops` is ixformer's and the method passes "
             "`xops.fmha.flash.FwOp()` as `op=`: head sizes above `VLLM_BI100_DENSE_HEAD_MAX` "
             "(128) go to the pure-PyTorch varlen attention `kernels.dense` (causal, GQA, "
             "sliding window, ALiBi; encoder and cross-attention unmasked), tiled over queries "
-            "under `VLLM_BI100_PREFIX_BUDGET_MB`; smaller heads keep the vendor kernel",
+            "under `VLLM_BI100_PREFIX_BUDGET_MB`; smaller heads keep the vendor kernel. With "
+            "`VLLM_BI100_PROMPT_ATTENTION=shim` (opt-in) every head size goes to "
+            "`kernels.dense`, also on stock XFormers backends whose method has the checked "
+            "shape (its parameters, the `xops` call with `attn_bias=`, the reads the wrapper "
+            "stands in for): every prompt and prefix attention is then the shim's, "
+            "bit-identical however vLLM slices the prompt; another shape: the row is skipped "
+            "with one WARNING and `status()`/`doctor` say the guarantee does not hold",
         vllm="0.6.3 (the XFormers backend's method as CoreX 3.2.3 ships it); applied only on "
-             "builds whose backend calls ixformer's `FwOp`",
-        upstream="Iluvatar's build (ixformer's flash attention above head size 128)",
-        removal="when ixformer's `FwOp` handles head sizes above 128"),
+             "builds whose backend calls ixformer's `FwOp`; with the opt-in also stock "
+             "0.6.3 – 0.7.3 (code checked against 0.6.3.post1 and 0.7.3; driven through "
+             "vLLM's scheduler and input builder on both and on CoreX 3.2.3)",
+        upstream="Iluvatar's build (ixformer's flash attention above head size 128); the "
+                 "opt-in: none (two kernels never agree bit for bit)",
+        removal="when ixformer's `FwOp` handles head sizes above 128 (the opt-in stays while "
+                "the prefix kernel is the shim's)"),
     Patch(
         "prefix_block_table", WRAP_INSTANCE,
         BACKEND_UTILS + ":CommonMetadataBuilder._add_seq_group",

@@ -1,9 +1,10 @@
 """vLLM's own engine code builds the attention metadata that reaches the patched methods.
 
 Runs inside a fresh interpreter of a venv with a real vLLM (0.6.x/0.7.x, V0 engine) and the
-installed shim: ``python driver.py SCENARIO [SCENARIO ...]`` prints one report line per
-scenario (``helpers.probes.report``).  Per engine step it does what ``LLMEngine.step`` and the
-GPU worker do, with vLLM's own code wherever metadata is made:
+installed shim: ``python driver.py [--head-size N] [--layers N] [--dtype D] [--compute MODE]
+SCENARIO [SCENARIO ...]`` prints one report line per scenario (``helpers.probes.report``).
+Per engine step it does what ``LLMEngine.step`` and the GPU worker do, with vLLM's own code
+wherever metadata is made:
 
 - ``vllm.core.scheduler.Scheduler`` (block manager v2 with prefix caching, chunked prefill,
   preemption by recompute or swap) schedules the requests;
@@ -11,14 +12,19 @@ GPU worker do, with vLLM's own code wherever metadata is made:
   job; test-side ``index_copy_``, or the shim's ``swap_blocks`` where it patched it);
 - the real ``vllm.worker.model_runner.ModelInputForGPUBuilder`` (a minimal runner object with
   only what it reads) with the XFormers backend's metadata builder makes the model input;
-- ``XFormersImpl.forward`` writes the new tokens into the paged cache and calls the patched
-  ``PagedAttention.forward_prefix`` / ``forward_decode`` (one attention layer, no weights);
+- ``XFormersImpl.forward`` (per attention layer, each with its own paged cache, one metadata
+  object for all, no weights) writes the new tokens into the paged cache and runs the prompt
+  attention (``_run_memory_efficient_xformers_forward``) or calls the patched
+  ``PagedAttention.forward_prefix`` / ``forward_decode``;
 - every output row is compared with ``helpers.reference.attend`` (float64, dense) over the
-  sequence's true tokens; then the step is advanced as ``LLMEngine._advance_to_next_step``
-  does (computed tokens, one sampled token per sequence that samples).
+  sequence's true tokens, and every prompt row is kept by (request, layer, position) with the
+  path that computed it (``same_prompt.py`` compares two requests bit for bit); then the step
+  is advanced as ``LLMEngine._advance_to_next_step`` does (computed tokens, one sampled token
+  per sequence that samples).
 
-Q/K/V of a token are fixed functions of (token id, position): a token at the same position in
-two requests has the same K/V, so a prefix-cache hit reads exactly what a recompute would.
+Q/K/V of a token are fixed functions of (token id, position, layer): a token at the same
+position in two requests has the same K/V, so a prefix-cache hit reads exactly what a
+recompute would (the model's own matrix products, outside the shim, are taken as exact).
 
 What it cannot model: the model's layers and sampler (next tokens are a fixed function of the
 step), CUDA graphs, the native kernels of a GPU build, multi-step scheduling and the async
@@ -36,35 +42,46 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
 
 from helpers.probes import report  # noqa: E402
+from vllm_glue import (  # noqa: E402
+    Runner,
+    _fake_xformers,
+    _forward,
+    _inputs,
+    _logprob,
+    _native_cache_write,
+    _path_counts,
+    _prompt_path,
+    _reshape_and_cache_cpu,
+    _swap,
+    seq_table,
+)
 
 BLOCK = 16
 CHUNK = 32
 HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
 VOCAB = 997
 MAX_LEN = 512
-
-
-def _fake_xformers() -> None:
-    """vLLM's XFormers backend imports ``xformers``, which has no CPU build: put the tests'
-    CPU stand-in first on sys.path when the real one is not importable."""
-    import importlib.util
-
-    if importlib.util.find_spec("xformers") is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fakes", "fake_xformers"))
+#: The attention layers of this driver process (``main``'s options): head size, number of
+#: layers, the dtype of Q/K/V and the cache, the kernels' compute mode and path (None: by
+#: device).
+SHAPE = {"head_size": HEAD_SIZE, "layers": 1, "dtype": "float32", "compute": None,
+         "path": None}
 
 
 class Tables:
-    """The Q/K/V of a token as a function of (token id, position), float32."""
+    """The Q/K/V of a token as a function of (token id, position) for one layer, in the
+    layer's dtype (drawn in float32)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, head_size: int = HEAD_SIZE, dtype=None) -> None:
         import torch
 
+        dtype = dtype or torch.float32
         g = torch.Generator().manual_seed(seed)
-        self.q_tok = torch.randn(VOCAB, HEADS, HEAD_SIZE, generator=g)
-        self.k_tok = torch.randn(VOCAB, KV_HEADS, HEAD_SIZE, generator=g)
-        self.v_tok = torch.randn(VOCAB, KV_HEADS, HEAD_SIZE, generator=g)
-        self.q_pos = torch.randn(MAX_LEN, HEADS, HEAD_SIZE, generator=g) * 0.5
-        self.k_pos = torch.randn(MAX_LEN, KV_HEADS, HEAD_SIZE, generator=g) * 0.5
+        self.q_tok = torch.randn(VOCAB, HEADS, head_size, generator=g).to(dtype)
+        self.k_tok = torch.randn(VOCAB, KV_HEADS, head_size, generator=g).to(dtype)
+        self.v_tok = torch.randn(VOCAB, KV_HEADS, head_size, generator=g).to(dtype)
+        self.q_pos = (torch.randn(MAX_LEN, HEADS, head_size, generator=g) * 0.5).to(dtype)
+        self.k_pos = (torch.randn(MAX_LEN, KV_HEADS, head_size, generator=g) * 0.5).to(dtype)
 
     def qkv(self, tokens, positions):
         q = self.q_tok[tokens] + self.q_pos[positions]
@@ -73,68 +90,16 @@ class Tables:
         return q, k, v
 
 
-class Runner:
-    """What ``ModelInputForGPUBuilder`` and the metadata builder read of a model runner."""
-
-    def __init__(self, scheduler_config, block_size: int, num_blocks: int) -> None:
-        import numpy as np
-        import torch
-        from vllm.attention.backends.xformers import XFormersBackend
-        from vllm.worker.model_runner import ModelInputForGPU
-
-        self.scheduler_config = scheduler_config
-        self.block_size = block_size
-        self.attn_backend = XFormersBackend
-        self._model_input_cls = ModelInputForGPU
-        self.inter_data_cache: dict = {}
-        self.sliding_window = None
-        self.lora_config = None
-        self.prompt_adapter_config = None
-        self.multi_modal_input_mapper = None
-        self.model_is_mrope = False
-        self.device = torch.device("cpu")
-        self.pin_memory = False
-        self.max_seq_len_to_capture = MAX_LEN
-        self.max_batchsize_to_capture = 0
-        self.graph_block_tables = np.zeros((1, num_blocks), dtype=np.int32)
-        self.model_config = _ModelConfig()
-
-    def get_max_block_per_batch(self) -> int:
-        return self.graph_block_tables.shape[1]
-
-
-class _ModelConfig:
-    is_encoder_decoder_model = False
-    is_encoder_decoder = False
-    enforce_eager = True
-    hf_config = None
-    uses_mrope = False
-
-
-def _reshape_and_cache_cpu():
-    """A test-side ``reshape_and_cache`` for official CUDA wheels on a CPU torch (their native
-    op is missing); the vendor stand-in brings its own (fake ixformer)."""
-    import torch
-
-    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
-        x = key_cache.shape[4]
-        for t, slot in enumerate(slot_mapping.tolist()):
-            if slot < 0:
-                continue
-            blk, off = divmod(slot, key_cache.shape[3])
-            key_cache[blk, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
-            value_cache[blk, :, :, off] = value[t]
-
-    return torch, reshape_and_cache
-
-
 class Engine:
     """The scheduler, the caches, one attention layer and the reference check."""
 
     last = None  # the engine of the scenario running now (its calls are reported on errors)
 
     def __init__(self, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64,
-                 preemption_mode=None, max_num_seqs: int = 8) -> None:
+                 preemption_mode=None, max_num_seqs: int = 8, chunked: bool = True) -> None:
+        """``chunked``: chunked prefill in chunks of ``CHUNK`` tokens (every prompt then
+        reaches ``forward_prefix``: vLLM gives each its block table); else whole prompts
+        (those of a batch without a prefix-cache hit take the backend's prompt attention)."""
         import torch
         from vllm.config import CacheConfig, SchedulerConfig
         from vllm.core.scheduler import Scheduler
@@ -142,11 +107,11 @@ class Engine:
         from vllm.attention.ops.paged_attn import PagedAttention
         import vllm._custom_ops as ops
 
-        if not _native_cache_write():
+        if not _native_cache_write(BLOCK, KV_HEADS, HEAD_SIZE):
             ops.reshape_and_cache = _reshape_and_cache_cpu()[1]
-        self.sched_config = SchedulerConfig(max_num_batched_tokens=CHUNK,
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=CHUNK if chunked else MAX_LEN,
                                             max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
-                                            enable_chunked_prefill=True,
+                                            enable_chunked_prefill=chunked,
                                             preemption_mode=preemption_mode)
         cache_config = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9,
                                    swap_space=0, cache_dtype="auto",
@@ -154,21 +119,28 @@ class Engine:
         cache_config.num_gpu_blocks = num_gpu_blocks
         cache_config.num_cpu_blocks = num_cpu_blocks
         self.scheduler = Scheduler(self.sched_config, cache_config, None)
-        self.runner = Runner(self.sched_config, BLOCK, num_gpu_blocks)
-        self.impl = XFormersImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None,
-                                 "auto")
-        shape = PagedAttention.get_kv_cache_shape(num_gpu_blocks, BLOCK, KV_HEADS, HEAD_SIZE)
+        self.runner = Runner(self.sched_config, BLOCK, num_gpu_blocks, MAX_LEN)
+        self.head_size = head = SHAPE["head_size"]
+        self.dtype = getattr(torch, SHAPE["dtype"])
+        self.impl = XFormersImpl(HEADS, head, head ** -0.5, KV_HEADS, None, None, "auto")
         g = torch.Generator().manual_seed(1)
-        # Blocks nobody wrote hold noise, never zeros: reading one is visible in the output.
-        self.gpu = torch.randn(shape, generator=g) * 3
-        self.cpu = torch.randn(PagedAttention.get_kv_cache_shape(
-            num_cpu_blocks, BLOCK, KV_HEADS, HEAD_SIZE), generator=g) * 3
-        self.tables = Tables()
+
+        def cache(blocks):  # blocks nobody wrote hold noise, never zeros: reading one shows
+            shape = PagedAttention.get_kv_cache_shape(blocks, BLOCK, KV_HEADS, head)
+            return (torch.randn(shape, generator=g) * 3).to(self.dtype)
+
+        layers = range(SHAPE["layers"])
+        self.gpu = [cache(num_gpu_blocks) for _ in layers]  # one paged cache per layer
+        self.cpu = [cache(num_cpu_blocks) for _ in layers]
+        self.tables = [Tables(layer, head, self.dtype) for layer in layers]
         self.seqs: dict = {}
         self.next_seq_id = 0
         self.step_no = 0
         self.calls: list = []
         self.events: list = []
+        #: (request id, layer, position) -> (the prompt row's output, the path that made it).
+        self.rows: dict = {}
+        self.extra: dict = {}  # what a scenario adds to its report
         Engine.last = self
 
     # -- requests --------------------------------------------------------------------------
@@ -180,7 +152,7 @@ class Engine:
         self.next_seq_id += 1
         group = SequenceGroup(request_id, [seq], time.time(),
                               SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        self.seqs[seq.seq_id] = (seq, max_tokens)
+        self.seqs[seq.seq_id] = (seq, max_tokens, request_id)
         self.scheduler.add_seq_group(group)
         return seq
 
@@ -210,11 +182,14 @@ class Engine:
             return
         tokens = model_input.input_tokens
         positions = model_input.input_positions
-        q, k, v = self.tables.qkv(tokens, positions)
         n = tokens.shape[0]
-        out = _forward(self.impl, q.view(n, -1), k.view(n, -1), v.view(n, -1), self.gpu, md)
-        out = out.view(n, HEADS, HEAD_SIZE)
-        self._check(metas, model_input, q, out)
+        for layer, tables in enumerate(self.tables):
+            q, k, v = tables.qkv(tokens, positions)
+            before = _path_counts()
+            out = _forward(self.impl, q.view(n, -1), k.view(n, -1), v.view(n, -1),
+                           self.gpu[layer], md)
+            path = _prompt_path(before, _path_counts())
+            self._check(metas, model_input, q, out.view(n, HEADS, self.head_size), layer, path)
         self._advance(metas, outputs)
 
     def _move_blocks(self, outputs) -> None:
@@ -226,43 +201,54 @@ class Engine:
         from vllm_bi100_patch import registry
 
         via_shim = registry.is_ours(vars(PagedAttention)["swap_blocks"])
-        for name, src, dst in (("blocks_to_swap_out", self.gpu, self.cpu),
-                               ("blocks_to_swap_in", self.cpu, self.gpu)):
+        for name, srcs, dsts in (("blocks_to_swap_out", self.gpu, self.cpu),
+                                 ("blocks_to_swap_in", self.cpu, self.gpu)):
             pairs = list(getattr(outputs, name))
             if pairs:
                 how = "shim swap_blocks" if via_shim else "test-side copy"
                 self.events.append(f"step {self.step_no}: {name} {pairs} ({how})")
-                if via_shim:
-                    import torch
+                for src, dst in zip(srcs, dsts):  # every layer's cache
+                    if via_shim:
+                        import torch
 
-                    XFormersBackend.swap_blocks(src, dst, torch.tensor(pairs, dtype=torch.int64))
-                else:
-                    _swap(src, dst, pairs)
+                        XFormersBackend.swap_blocks(src, dst,
+                                                    torch.tensor(pairs, dtype=torch.int64))
+                    else:
+                        _swap(src, dst, pairs)
         copies = list(outputs.blocks_to_copy)
         if copies:
             self.events.append(f"step {self.step_no}: blocks_to_copy {copies}")
-            for s, d in copies:
-                self.gpu[:, d] = self.gpu[:, s]
+            for gpu in self.gpu:
+                for s, d in copies:
+                    gpu[:, d] = gpu[:, s]
 
-    def _check(self, metas, model_input, q, out) -> None:
-        """Every row against the dense float64 attention over its sequence's true tokens."""
+    def _check(self, metas, model_input, q, out, layer: int = 0, path: str = "") -> None:
+        """Every row against the dense float64 attention over its sequence's true tokens;
+        prompt rows are kept in ``rows`` with ``path``."""
         from helpers.reference import attend, rel_error
 
         row = 0
         md = model_input.attn_metadata
         bt = md.prefill_metadata.block_tables if md.num_prefills else None
         prefill_i = 0
+        tables = self.tables[layer]
         for (seq_id, is_prompt, computed), qlen in zip(_seq_rows(metas),
                                                        model_input.query_lens):
-            seq = self.seqs[seq_id][0]
+            seq, _, request = self.seqs[seq_id]
             true = seq.get_token_ids()
             pos = model_input.input_positions[row:row + qlen].tolist()
-            kk = self.tables.k_tok[true[:pos[-1] + 1]] + self.tables.k_pos[:pos[-1] + 1]
-            vv = self.tables.v_tok[true[:pos[-1] + 1]]
-            ref = attend(q[row:row + qlen], kk, vv, pos, HEAD_SIZE ** -0.5)
+            kk = tables.k_tok[true[:pos[-1] + 1]] + tables.k_pos[:pos[-1] + 1]
+            vv = tables.v_tok[true[:pos[-1] + 1]]
+            ref = attend(q[row:row + qlen], kk, vv, pos, self.head_size ** -0.5)
             err = rel_error(out[row:row + qlen], ref)
             call = {"step": self.step_no, "seq": seq_id, "prompt": is_prompt,
                     "positions": [pos[0], pos[-1]], "err": err}
+            if layer:
+                call["layer"] = layer
+            if is_prompt:
+                call["path"] = path
+                for i, p in enumerate(pos):
+                    self.rows[(request, layer, p)] = (out[row + i].clone(), path)
             if is_prompt and bt is not None:
                 call["table_cols"] = int(bt.shape[1])
                 call["table"] = [int(b) for b in bt[prefill_i].tolist()]
@@ -301,70 +287,6 @@ def _seq_rows(metas):
     for meta in metas:
         for seq_id in meta.seq_data:
             yield seq_id, meta.is_prompt, meta.computed_block_nums
-
-
-def seq_table(scheduler, seq_id):
-    for group in scheduler.running:
-        for seq in group.seqs:
-            if seq.seq_id == seq_id:
-                return scheduler.block_manager.get_block_table(seq)
-    return []
-
-
-def _swap(src, dst, pairs) -> None:
-    import torch
-
-    s = torch.tensor([a for a, _ in pairs])
-    d = torch.tensor([b for _, b in pairs])
-    dst.index_copy_(1, d, src.index_select(1, s))
-
-
-def _inputs(tokens):
-    try:
-        from vllm.inputs import token_inputs
-    except ImportError:
-        return {"prompt_token_ids": tokens}
-    return token_inputs(tokens)
-
-
-def _logprob():
-    from vllm.sequence import Logprob
-
-    return Logprob(0.0)
-
-
-class _Layer:
-    """The attention layer's scales, which ``XFormersImpl.forward`` reads from 0.7 on."""
-    _k_scale = 1.0
-    _v_scale = 1.0
-
-
-def _forward(impl, q, k, v, kv_cache, md):
-    """``XFormersImpl.forward`` as each release takes it: ``(layer, q, k, v, ...)`` from 0.7,
-    ``(q, k, v, kv_cache, attn_metadata, k_scale, v_scale)`` before."""
-    import inspect
-
-    params = list(inspect.signature(impl.forward).parameters)
-    if params[0] == "layer":
-        return impl.forward(_Layer(), q, k, v, kv_cache, md)
-    return impl.forward(q, k, v, kv_cache, md, **{p: 1.0 for p in ("k_scale", "v_scale")
-                                                   if p in params})
-
-
-def _native_cache_write() -> bool:
-    """Whether this build's ``ops.reshape_and_cache`` runs here (a one-token trial write)."""
-    import torch
-    import vllm._custom_ops as ops
-    from vllm.attention.ops.paged_attn import PagedAttention
-
-    kv = torch.zeros(PagedAttention.get_kv_cache_shape(1, BLOCK, KV_HEADS, HEAD_SIZE))
-    kc, vc = PagedAttention.split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
-    k = torch.ones(1, KV_HEADS, HEAD_SIZE)
-    try:
-        ops.reshape_and_cache(k, k, kc, vc, torch.tensor([3]), "auto", 1.0, 1.0)
-    except Exception:  # the official CUDA wheel on a CPU torch: no native op
-        return False
-    return bool(vc[0, :, :, 3].eq(1).all())
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -442,16 +364,44 @@ SCENARIOS = {
 }
 
 
-def main(names) -> None:
+def _options(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--head-size", type=int, default=HEAD_SIZE)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--compute", default=None, choices=("fp32", "native"),
+                        help="force the shim kernels' compute mode (default: by device)")
+    parser.add_argument("--path", default=None, choices=("sdpa", "tiled"),
+                        help="force the prefix/prompt kernels' path (default: per row, by "
+                             "device; every GPU takes the tiled path)")
+    parser.add_argument("scenarios", nargs="*")
+    return parser.parse_args(argv)
+
+
+def main(argv, scenarios=None) -> None:
+    scenarios = SCENARIOS if scenarios is None else scenarios
+    opts = _options(argv)
+    SHAPE.update(head_size=opts.head_size, layers=opts.layers, dtype=opts.dtype,
+                 compute=opts.compute, path=opts.path)
     _fake_xformers()
     import vllm_bi100_patch
 
-    for name in names:
+    if opts.compute is not None:
+        from vllm_bi100_patch.kernels import _common
+
+        _common.FORCE_COMPUTE = opts.compute  # the kernels' test hooks
+    if opts.path is not None:
+        from vllm_bi100_patch.kernels import prefix
+
+        prefix.FORCE_PATH = opts.path
+    for name in opts.scenarios or list(scenarios):
         Engine.last = None
         try:
-            eng = SCENARIOS[name]()
+            eng = scenarios[name]()
             report(scenario=name, ok=True, calls=eng.calls, events=eng.events,
-                   status=vllm_bi100_patch.status())
+                   status=vllm_bi100_patch.status(), shape=SHAPE, **eng.extra)
         except Exception as exc:
             eng = Engine.last
             report(scenario=name, ok=False, error=f"{type(exc).__name__}: {exc}",
@@ -460,4 +410,4 @@ def main(names) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(SCENARIOS))
+    main(sys.argv[1:])

@@ -346,13 +346,31 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
 '''
 BUILDERS = {"bug": "computed_block_nums", "fixed": "block_tables[seq_id]"}
 
+#: ``vllm/attention/backends/xformers.py`` with the prompt-attention method's shape as stock
+#: vLLM 0.6.3/0.7.3 has it (what row ``dense_prefill``'s opt-in checks); its ``xops`` is the
+#: tests' CPU stand-in of xformers (``tests/fakes/fake_xformers`` on the path).
+_XFORMERS_BACKEND = '''"""Fake XFormers backend: the prompt-attention method's shape only."""
+
+from xformers import ops as xops
+
+
+class XFormersImpl:
+
+    def _run_memory_efficient_xformers_forward(self, query, key, value, attn_metadata,
+                                               attn_type="decoder"):
+        attn_bias = (attn_metadata.seq_lens, self.alibi_slopes, self.sliding_window)
+        return xops.memory_efficient_attention_forward(query, key, value, attn_bias=attn_bias,
+                                                       scale=self.scale)
+'''
+
 
 def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] = None,
                     with_methods: bool = True, block_ops: str = "stock",
-                    metadata_builder: Optional[str] = None,
+                    metadata_builder: Optional[str] = None, xformers_backend: bool = False,
                     **source_options: object) -> str:
     """Create ``root/vllm`` and ``root/vllm-VERSION.dist-info``; returns root.
-    ``metadata_builder`` (``"bug"``/``"fixed"``) adds ``vllm/attention/backends/utils.py``."""
+    ``metadata_builder`` (``"bug"``/``"fixed"``) adds ``vllm/attention/backends/utils.py``,
+    ``xformers_backend`` adds ``vllm/attention/backends/xformers.py`` (stock shape)."""
     fam = family or versions.family_for(versions.VersionInfo(version)) or versions.FAMILIES[-1]
     ops_dir = os.path.join(root, "vllm", "attention", "ops")
     os.makedirs(ops_dir, exist_ok=True)
@@ -368,12 +386,15 @@ def write_fake_vllm(root: str, version: str, family: Optional[versions.Family] =
             '"""Fake paged_attn without the methods (0.12+)."""\n\nclass PagedAttention:\n'
             '    pass\n'),
     }
-    if metadata_builder is not None:
-        backends = os.path.join(root, "vllm", "attention", "backends")
+    backends = os.path.join(root, "vllm", "attention", "backends")
+    if metadata_builder is not None or xformers_backend:
         os.makedirs(backends, exist_ok=True)
         files[os.path.join(backends, "__init__.py")] = ""
+    if metadata_builder is not None:
         files[os.path.join(backends, "utils.py")] = _BUILDER.replace(
             "{hit}", BUILDERS[metadata_builder])
+    if xformers_backend:
+        files[os.path.join(backends, "xformers.py")] = _XFORMERS_BACKEND
     for path, text in files.items():
         with open(path, "w") as fh:
             fh.write(text)

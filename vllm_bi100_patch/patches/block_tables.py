@@ -106,7 +106,7 @@ def _method(module: types.ModuleType) -> Optional[Callable[..., Any]]:
     return None
 
 
-def fix_needed(module: types.ModuleType) -> Optional[str]:
+def fix_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``CommonMetadataBuilder._add_seq_group`` still gives a chunk
     with a prefix-cache hit ``computed_block_nums`` as its block table; else why the row is
     not needed (the upstream fix is there, or the builder this fix is for is absent)."""

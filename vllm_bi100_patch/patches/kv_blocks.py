@@ -46,13 +46,13 @@ def _needed(module: types.ModuleType, op: str) -> Optional[str]:
     return None
 
 
-def swap_needed(module: types.ModuleType) -> Optional[str]:
+def swap_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``ops.swap_blocks`` cannot work, else why the patch is not
     needed."""
     return _needed(module, "swap_blocks")
 
 
-def copy_needed(module: types.ModuleType) -> Optional[str]:
+def copy_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``ops.copy_blocks`` cannot work, else why not needed."""
     return _needed(module, "copy_blocks")
 

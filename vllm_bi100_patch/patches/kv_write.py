@@ -51,7 +51,7 @@ def ignores_parameter(func: Callable[..., Any], name: str) -> Optional[bool]:
 PASSED_ON = ("kv_cache_dtype", "k_scale", "v_scale")
 
 
-def write_needed(module: types.ModuleType) -> Optional[str]:
+def write_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``ops.reshape_and_cache`` drops ``kv_cache_dtype`` or one of
     the scales (an fp8 cache written without its scales would be read back with them), else
     why the patch is not needed."""

@@ -54,7 +54,7 @@ def _empty_branch(fn: ast.FunctionDef) -> bool:
     return False
 
 
-def logits_needed(module: types.ModuleType) -> Optional[str]:
+def logits_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``LogitsProcessor.forward`` makes an empty logits tensor instead
     of gathering when nothing samples; else why the row is not needed."""
     fn, why = code_shapes.definition(module, OWNER, ATTR)

@@ -57,7 +57,7 @@ def _position_calls(fn: ast.FunctionDef) -> List[ast.Call]:
             and isinstance(n.func, ast.Attribute) and n.func.attr == "get_input_positions"]
 
 
-def mrope_needed(module: types.ModuleType) -> Optional[str]:
+def mrope_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's builder computes a chunk's MRoPE positions without its end
     (``get_input_positions`` without ``seq_len``); else why the row is not needed."""
     fn, why = code_shapes.definition(module, OWNER, ATTR)

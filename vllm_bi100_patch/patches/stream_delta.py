@@ -49,7 +49,7 @@ def _slices_new_tokens(fn: ast.FunctionDef) -> bool:
                and ast.unparse(n.value).endswith("[-num_new_tokens:]") for n in ast.walk(fn))
 
 
-def delta_needed(module: types.ModuleType) -> Optional[str]:
+def delta_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None when this build's ``Sequence.get_output_token_ids_to_return`` returns
     ``[-num_new_tokens:]`` with no case for 0 new tokens; else why the row is not needed."""
     fn, why = code_shapes.definition(module, OWNER, ATTR)
