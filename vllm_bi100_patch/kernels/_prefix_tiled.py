@@ -20,7 +20,7 @@ Per row, nothing depends on the slicing: key ranges are aligned on absolute key 
 masked keys weigh exactly 0, a fully masked group adds exactly 0 and leaves its
 correction at 1 (or 0 before anything was seen), and a position's operands are staged
 identically whether cached or new (``_prefix_stage``).  What a matrix product's other rows
-do to a row: nothing, on CPU (``tests/kernels/test_invariance.py``); a GPU library that
+do to a row: nothing, on CPU (``tests/kernels/test_slicing_invariance.py``); a GPU library that
 picks its algorithm by shape might (``tests/kernels/device_checks.py`` shows it).
 
 Range (``docs/bi100-limits.md``): float16 ``P.V`` runs at ``FP16_PV_ALPHA`` scale (its
