@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Per-call cost of the patched ``forward_decode`` path: this tree against another (default
-``/work/base``, the commit before the metrics), timed alternately in one run.
+"""Per-call cost of the patched ``forward_decode`` path: this tree against another (``--base``:
+a checkout of the commit before the metrics), timed alternately in one run.
 
 Two worker interpreters, one per tree, each patch a fake vLLM 0.6.3 (``tests/fakes``) whose
 native ``paged_attention_v1`` does nothing, so a call is the shim's whole wrapper path and
@@ -9,8 +9,9 @@ this tree, the metrics' observer and refusal counting).  Rounds alternate A B B 
 times ``--calls`` calls; the table gives the median ns per call of each tree and the median
 of the paired differences.
 
-    python3 scripts/bench_metrics_overhead.py [--base /work/base] [--rounds 20]
+    python3 scripts/bench_metrics_overhead.py --base DIR [--rounds 20]
         [--multiproc-dir]   # with PROMETHEUS_MULTIPROC_DIR set (the exporter writes files)
+        [--interval S]      # VLLM_BI100_METRICS_INTERVAL_S with --multiproc-dir (default 5)
         [--cpu N]           # pin both workers to one CPU
         [--same]            # both workers run the other tree: the method's noise floor
 """
@@ -87,7 +88,7 @@ def _time(proc: subprocess.Popen, calls: int) -> float:
 
 def main(argv: list) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="/work/base", help="the other tree (default /work/base)")
+    ap.add_argument("--base", required=True, help="the other tree (a checkout)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--cpu", type=int, default=None,
@@ -96,6 +97,8 @@ def main(argv: list) -> int:
                     help="both workers run --base (an A/A run: the noise floor of the method)")
     ap.add_argument("--multiproc-dir", action="store_true",
                     help="set PROMETHEUS_MULTIPROC_DIR (this tree's exporter writes files)")
+    ap.add_argument("--interval", default="5",
+                    help="VLLM_BI100_METRICS_INTERVAL_S with --multiproc-dir (the default: 5)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bi100-bench-") as tmp:
         fake = _fake_vllm(tmp)
@@ -103,7 +106,7 @@ def main(argv: list) -> int:
         if args.multiproc_dir:
             os.mkdir(os.path.join(tmp, "prom"))
             extra.update(PROMETHEUS_MULTIPROC_DIR=os.path.join(tmp, "prom"),
-                         VLLM_BI100_METRICS_INTERVAL_S="1")
+                         VLLM_BI100_METRICS_INTERVAL_S=args.interval)
         procs = {"base": _worker(os.path.abspath(args.base), fake, extra),
                  "this": _worker(os.path.abspath(args.base) if args.same else ROOT, fake,
                                  extra)}
