@@ -83,6 +83,14 @@ def listening(pids):
     return out
 
 
+def _describe(proc) -> str:
+    """``pid name status cmdline``, as far as the process can still be read."""
+    try:
+        return f"{proc.pid} {proc.name()} {proc.status()} {' '.join(proc.cmdline())[:200]}"
+    except Exception as exc:  # gone or unreadable meanwhile
+        return f"{proc.pid} ({type(exc).__name__})"
+
+
 def main() -> None:
     import psutil
     import ray
@@ -102,7 +110,7 @@ def main() -> None:
         children = psutil.Process().children(recursive=True)
         ray.shutdown()
     _, alive = psutil.wait_procs(children, timeout=60)  # Ray stops them by itself
-    left = [p.pid for p in alive]
+    left = [_describe(p) for p in alive]  # what stayed, for the failure message
     for p in alive:  # never leave a cluster behind, even when the test then fails
         p.kill()
     from prometheus_client.multiprocess import MultiProcessCollector
