@@ -207,9 +207,14 @@ def metrics_checks(settings: config.Settings, info: versions.VersionInfo,
         if not os.path.isdir(path):
             return [("WARN", "export", f"none: PROMETHEUS_MULTIPROC_DIR={path} is not a "
                      "directory (the shim never creates it)"), names]
+        if not os.access(path, os.W_OK | os.X_OK):
+            return [("WARN", "export", f"none: PROMETHEUS_MULTIPROC_DIR={path} is not writable "
+                     "by this user (vLLM's own metrics fail there too)"), names]
         return [("ok", "export", f"every process that patches writes its counts to "
                  f"multiprocess files in PROMETHEUS_MULTIPROC_DIR={path} every {interval} s "
-                 "(at most that stale); vLLM's /metrics adds them up over processes"), names]
+                 "(at most that stale; a directory removed or recreated under a running server is "
+                 "written again at the next flush); vLLM's /metrics adds them up over "
+                 "processes"), names]
     v1 = (info.version is not None and info.version.release >= (0, 8)
           and env.get("VLLM_USE_V1", "") != "0")
     if v1:
