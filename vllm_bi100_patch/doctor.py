@@ -13,8 +13,8 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import (__version__, _bootstrap, advice, config, decision, hardware, invariance, status,
-               versions)
+from . import _bootstrap, advice, config, decision, hardware, invariance, status, versions
+from ._version import __version__
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
@@ -329,10 +329,10 @@ def _patch_sections(settings: config.Settings, family: versions.Family
     sections = [Section("code checks", checks)]
     if "vllm.attention.ops.paged_attn" in sys.modules:
         sections.append(_native_section(settings))
-    from . import ops_audit
+    from . import ops_audit, registry
 
     sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
-                            ops_audit.doctor_checks()))
+                            ops_audit.doctor_checks(registry.last_report().applied)))
     return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,
             would)
 

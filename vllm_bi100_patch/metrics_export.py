@@ -261,7 +261,7 @@ def start(interval: int, report: Any) -> None:
     global _exporter
     if interval <= 0 or suppressed or not report.applied:
         return
-    from . import __version__
+    from ._version import __version__
 
     info = {"shim_version": __version__, "vllm_version": str(report.vllm_version or ""),
             "family": str(report.family or ""), "rows": ",".join(sorted(report.applied))}
