@@ -1,4 +1,4 @@
-"""The shim's counters as Prometheus series (README "Metrics"): what is counted, the names,
+"""The shim's counters as Prometheus series (docs/metrics-operators.md): what is counted, the names,
 and how they reach prometheus_client's multiprocess files or an in-process registry.
 
 vLLM's own /metrics app is driven in tests/real/test_metrics_real.py; here fake vLLM trees
@@ -155,7 +155,7 @@ def test_fixed_series_exist_from_zero_and_every_series_is_documented():
     assert fams["vllm_bi100:calls"][3] == [("vllm_bi100:calls_total",
                                             (("counter", "new_row_calls"),), 2.0)]
     assert fams["vllm_bi100:info"][3] == [("vllm_bi100:info", tuple(sorted(info.items())), 1.0)]
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "metrics-operators.md")).read()
     for name in metrics.names():
         assert f"`{name}`" in readme, name
 
@@ -449,7 +449,7 @@ def test_doctor_exports_nothing_itself_and_has_a_metrics_section():
     assert "metrics (vLLM's /metrics)" in [s.title for s in sections]
 
 
-def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
+def test_the_metrics_doc_and_the_grafana_panel_name_only_series_that_exist():
     import json
     import re
 
@@ -457,7 +457,7 @@ def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
     known |= {n + s for n in known for s in ("_bucket", "_count", "_sum")}
     panel = open(os.path.join(ROOT, "docs", "grafana-bi100-panel.json")).read()
     exprs = [t["expr"] for p in json.loads(panel)["panels"] for t in p["targets"]]
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "metrics-operators.md")).read()
     used = set(re.findall(r"vllm_bi100:[a-z0-9_]+", readme + "\n".join(exprs)))
     assert used and used <= known, used - known
     assert any('route="fallback"' in e and "/ sum by (instance)" in e for e in exprs)
