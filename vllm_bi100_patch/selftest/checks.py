@@ -67,7 +67,7 @@ def _dtypes(device: torch.device) -> List[torch.dtype]:
     ``DTYPES`` narrows the list."""
     half = [torch.float16] if device.type != "cpu" or cpu_half_gemm() else []
     every = half + [torch.bfloat16, torch.float32]
-    return every if DTYPES is None else [d for d in every if d in DTYPES] or every[-1:]
+    return every if DTYPES is None else [d for d in every if d in DTYPES] or every[:1]
 
 
 def check_formulation(device: torch.device) -> None:

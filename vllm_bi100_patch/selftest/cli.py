@@ -80,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
                    "case starts after it")
     r.add_argument("--no-native", action="store_true", help="do not look for vLLM's kernels")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    r.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     return p
 
 
@@ -223,6 +224,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
                                         f"{limit / MiB:,.0f} MiB"})
     if v1 is not None:
         out["native"]["calls_max_seq_len"] = max(v1.calls, default=None)
+    out["native"]["prefix_prefill"] = _prefix_prefill_state()
     rows = out["timings"]
     v1_limit = v1.limit if v1 is not None else None
     out["projection"] = plan.projection(rows, shape.layers, lengths + [shape.max_len],
@@ -235,6 +237,16 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
     out["ok"] = all(c["ok"] is not False for c in out["checks"])
     out["elapsed_s"] = time.monotonic() - start
     return (EXIT_OK if out["ok"] else EXIT_FAILED), out
+
+
+def _prefix_prefill_state() -> str:
+    """vLLM's Triton prefix module in this process: absent, the shim's substitute, or real."""
+    from .. import import_guard
+
+    module = sys.modules.get(import_guard.TARGET)
+    if module is None:
+        return "absent"
+    return "substitute" if import_guard.is_substitute(module) else "real (imported, never called)"
 
 
 def _model_note(rows: Sequence[Dict[str, Any]]) -> str:
@@ -264,8 +276,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if "refused" in out:
         print(f"vllm-bi100-patch selftest refused: {out['refused']}", file=sys.stderr)
+    text = json.dumps(out, indent=1, default=str)
+    if a.json_out:
+        with open(a.json_out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
     if a.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(text)
     elif "refused" not in out:
         print(report.table(out))
     return status

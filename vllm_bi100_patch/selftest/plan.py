@@ -103,13 +103,24 @@ def calibration(rows: Sequence[Row]) -> Dict[str, Any]:
 
 
 def _at(measured: Dict[int, float], tokens: int) -> Tuple[Optional[float], str]:
-    """The time at ``tokens``: measured, else the linear fit of the measured ones."""
+    """The time at ``tokens``: measured; between two measured lengths, interpolated; past
+    the longest, the least-squares line of all of them, never below the longest's time
+    (noise must not make a longer context look faster); before the shortest, its time."""
     if tokens in measured:
         return measured[tokens], "measured"
-    fit = linear_fit(sorted(measured.items()))
-    if fit is None:
+    points = sorted(measured.items())
+    if not points:
         return None, "not measured"
-    return max(0.0, fit[0] + fit[1] * tokens), "extrapolated"
+    if tokens < points[0][0]:
+        return points[0][1], "extrapolated"
+    if tokens > points[-1][0]:
+        fit = linear_fit(points)
+        line = fit[0] + fit[1] * tokens if fit is not None else points[-1][1]
+        return max(points[-1][1], line), "extrapolated"
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 < tokens < x1:
+            return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), "interpolated"
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def server_route(tokens: int, v1_limit: Optional[int], fallback_above: Optional[int]) -> str:
