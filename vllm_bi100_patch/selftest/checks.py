@@ -1,3 +1,5 @@
+# mypy: disable-error-code="call-arg,arg-type,misc"
+# (the checks unpack argument lists built by the reference helpers: *args then more positionals)
 """The device checks: the reference grid, reduced, on one device; plain functions of the
 device that need torch only (no pytest, no vLLM).
 
@@ -13,11 +15,11 @@ where it fails.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..kernels import _common, dense, paged_decode, paged_prefix, prefix
+from ..kernels import _common, paged_decode, paged_prefix, prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
@@ -34,7 +36,7 @@ class Skip(Exception):
 
 
 def use_device_formulation(device: torch.device, gpu: bool = True,
-                           dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, object]:
+                           dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, Any]:
     """Force the GPU formulation on CPU (``gpu``; else the CPU's own), the device's own choice
     elsewhere; the checks' dtypes (``DTYPES``); returns the previous settings for
     ``restore``."""
@@ -49,12 +51,12 @@ def use_device_formulation(device: torch.device, gpu: bool = True,
     return saved
 
 
-def restore(saved: Dict[str, object]) -> None:
+def restore(saved: Dict[str, Any]) -> None:
     global DTYPES
-    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]  # type: ignore[assignment]
-    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]  # type: ignore[assignment]
-    prefix.FORCE_PATH = saved["FORCE_PATH"]  # type: ignore[assignment]
-    DTYPES = saved["DTYPES"]  # type: ignore[assignment]
+    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]
+    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]
+    prefix.FORCE_PATH = saved["FORCE_PATH"]
+    DTYPES = saved["DTYPES"]
 
 
 def _sync(device: torch.device) -> None:

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="call-arg,arg-type,misc"
+# (the checks unpack argument lists built by the reference helpers: *args then more positionals)
 """The magnitude grid of the device checks: one sequence at magnitudes around and past
 float16's range, decode, the tiled (and, on CPU, the SDPA) prefix and the dense kernel
 against the float64 reference (``checks.check_large_magnitudes``; ``tests/kernels/

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="call-arg,arg-type,misc"
+# (the checks unpack argument lists built by the reference helpers: *args then more positionals)
 """One prompt, computed under different slicings, row by row (issue 20: same prompt, same
 answer).  Needs torch only (the device checks, ``checks.py``, run it on the operator's card).
 

@@ -186,7 +186,6 @@ class Recorder:
                 self.shape, tokens) + 2 * q.numel() * q.element_size()}
             self._row("decode", "native_v1", tokens,
                       lambda: v1.call(q, kc, vc, bt, sl, tokens, self.scale), minimal)
-        del q, kc, vc, bt, sl
 
     def prefix(self, context: int) -> None:
         """The pure-PyTorch prefix over one chunk after ``context`` cached tokens."""
@@ -198,7 +197,6 @@ class Recorder:
         self._row("prefix", "fallback", context + chunk,
                   lambda: paged_prefix(*args, scale=self.scale, budget_mb=self.plan.budget_mb),
                   context=context, chunk=chunk)
-        del args
 
     def run(self, v1: Any = None) -> List[Dict[str, Any]]:
         for tokens in self.plan.decode_lengths:
