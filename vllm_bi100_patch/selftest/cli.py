@@ -15,6 +15,7 @@ every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -270,7 +271,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        status, out = run(a, progress)
+        # vLLM's logger (and the shim's line through it) writes to stdout: keep stdout for
+        # the table or the one JSON object.
+        with contextlib.redirect_stdout(sys.stderr):
+            status, out = run(a, progress)
     except ShapeError as exc:
         print(f"vllm-bi100-patch selftest: {exc}", file=sys.stderr)
         return 2
