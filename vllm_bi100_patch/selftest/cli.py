@@ -33,8 +33,9 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 4
 MiB = 1 << 20
-#: Without --model or --heads: a BI-V100 field deployment's per-rank shape (TP 4 of a model
-#: with 16 query / 4 KV heads of 256 and 10 full-attention layers), fp16.
+#: Without --model or --heads: a BI-V100 field deployment's per-rank shape (TP 4: 4 query / 1
+#: KV heads of 256, fp16) and the 10 attention layers of its per-token figure
+#: (docs/bi100-limits.md, "Field performance").
 FIELD_SHAPE = dict(heads=4, kv_heads=1, head_size=256, layers=10, dtype="float16")
 #: Decode lengths and prefix contexts (each capped at --max-len), default and --quick.
 DECODE_LENGTHS = (1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
