@@ -25,7 +25,7 @@ from vllm_bi100_patch.selftest.shape import Shape, ShapeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--heads", "4", "--kv-heads", "1", "--head-size", "64", "--layers", "3",
-         "--dtype", "bfloat16", "--lengths", "256,512,1024", "--contexts", "0,256",
+         "--dtype", "bf16", "--lengths", "256,512,1024", "--contexts", "0,256",
          "--chunk-size", "64", "--repeats", "1", "--max-len", "2048",
          "--check", "check_formulation", "--check", "check_unattended_slots"]
 
@@ -111,9 +111,13 @@ def test_selftest_skips_a_case_above_the_memory_limit(capsys):
     assert "memory limit" in out["not_run"][0]["why"]
 
 
-def test_unknown_check_is_a_usage_error(capsys):
+def test_usage_errors_exit_2(capsys, tmp_path):
     assert cli_main.main(["selftest", "--check", "check_nothing", *SMALL]) == 2
     assert "unknown check" in capsys.readouterr().err
+    assert cli_main.main(["selftest", "--model", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert cli_main.main(["selftest", "--heads", "6", "--kv-heads", "4"]) == 2
+    assert "multiple of kv_heads" in capsys.readouterr().err
 
 
 def _fake_ixformer():

@@ -98,6 +98,8 @@ def shape_of(a: argparse.Namespace) -> Shape:
     else:
         given = {k: getattr(a, k) for k in ("heads", "kv_heads", "head_size", "layers", "dtype")
                  if getattr(a, k) is not None}
+        if "dtype" in given:
+            given["dtype"] = DTYPES[given["dtype"]]
         base = dict(FIELD_SHAPE, **given)
         if "kv_heads" not in given and "heads" in given:
             base["kv_heads"] = given["heads"]
@@ -112,7 +114,10 @@ def shape_of(a: argparse.Namespace) -> Shape:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ShapeError(f"--device {name}: torch sees no CUDA device")
+    return device
 
 
 def _mem_available() -> Optional[int]:
