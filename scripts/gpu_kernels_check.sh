@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command check of the pure-PyTorch kernels on a GPU machine that has only torch
-# (no vLLM, no network): the reduced reference grid on the GPU, the benchmark's GPU cases
+# (no vLLM, no network): the operator's selftest (`python -m vllm_bi100_patch selftest`: the
+# reduced reference grid on the GPU, timings, projection), then the benchmark's GPU cases
 # (with every call's account and modelled time), then the real launches (torch.profiler)
 # and time per call next to the model's (the first GPU run calibrates the model), then one
 # summary block.  Installs nothing: the repository goes on PYTHONPATH.
@@ -10,7 +11,7 @@
 #
 # Environment: PYTHON (default python3), BI100_CHECK_OUT (default ./gpu-kernels-check).
 # Exit status: 0 when every check passed and the benchmark ran, 1 otherwise.
-# Budget: under 9 minutes on one GPU (checks 150 s, benchmark 240 s, profile 120 s at most).
+# Budget: under 9 minutes on one GPU (selftest 150 s, benchmark 240 s, profile 120 s at most).
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,11 +32,11 @@ mkdir -p "$OUT"
 start=$(date +%s)
 
 if [ "$DRY" = 1 ]; then
-  DEVICE=cpu
+  SELFTEST_ARGS=(--device cpu --formulation gpu --quick --repeats 1)
   BENCH_ARGS=(--device cpu --quick --repeats 1 --no-curve)
   PROFILE_ARGS=(--device cpu --quick --calls 1 --repeats 1)
 else
-  DEVICE=cuda
+  SELFTEST_ARGS=(--device cuda --time-limit 120)
   BENCH_ARGS=(--device cuda --repeats 5 --no-curve)
   PROFILE_ARGS=(--device cuda --calls 3 --repeats 10)
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -47,9 +48,11 @@ fi
 "$PY" -c 'import torch; d = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"; print(f"torch {torch.__version__}, device: {d}")' \
   | tee "$OUT/env.txt"
 
-# 1. The reduced reference grid on the device (plain runner: pytest is not needed).
-timeout 150 "$PY" "$ROOT/tests/kernels/device_checks.py" --device "$DEVICE" 2>&1 \
-  | tee "$OUT/checks.txt"
+# 1. The operator's selftest (the same command a server runs before serving: the reduced
+#    reference grid on the device, decode/prefix timings with their account, projection),
+#    in the GPU formulation on CPU for --dry-run.  Its JSON goes beside the table.
+timeout 150 "$PY" -m vllm_bi100_patch selftest "${SELFTEST_ARGS[@]}" \
+  --json-out "$OUT/selftest.json" 2>"$OUT/selftest.log" | tee "$OUT/checks.txt"
 checks_rc=${PIPESTATUS[0]}
 
 # 2. The benchmark: decode 32K/128K tokens (KV read vs copy bandwidth), tiled prefix
@@ -72,7 +75,7 @@ fi
 {
   echo "==== gpu_kernels_check summary ===="
   cat "$OUT/env.txt"
-  grep -E '^device checks on ' "$OUT/checks.txt" || echo "device checks: no result (exit $checks_rc)"
+  grep -E '^selftest on ' "$OUT/checks.txt" || { echo "selftest: no result (exit $checks_rc)"; tail -5 "$OUT/selftest.log"; }
   grep -E '^measured copy bandwidth' "$OUT/bench.txt" || true
   grep -E '^model ' "$OUT/bench.txt" || true
   grep -E '^(## |\| (case|decode|prefix|dense))' "$OUT/bench.txt" \
@@ -81,7 +84,7 @@ fi
   echo "## launches and time per call: profiled vs modelled"
   grep -E '^(profile_kernels:|\| |calibration:)' "$OUT/profile.txt" \
     || echo "profile: no table (exit $profile_rc)"
-  echo "checks exit $checks_rc, benchmark exit $bench_rc, profile exit $profile_rc, ${elapsed} s;" \
+  echo "selftest exit $checks_rc, benchmark exit $bench_rc, profile exit $profile_rc, ${elapsed} s;" \
     "outputs in $OUT"
   echo "RESULT: $status"
 } | tee "$OUT/summary.txt"

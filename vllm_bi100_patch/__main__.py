@@ -6,6 +6,10 @@
                   activation paths, the code check of each patch (imports vLLM's paged_attn
                   behind the import guard, so the shim patches it in this process as it would in
                   a server); exit code below
+  selftest        the shim measured on this machine's device: correctness checks, decode and
+                  prefix timings at the model's shape, the projection and the settings that
+                  follow (needs torch; `selftest --help`; docs/selftest.md); exit 0 passed,
+                  1 a check failed, 4 refused (not enough free memory)
   env-table       the README's table of environment variables
   versions-table  the README's table of supported vLLM versions
 
@@ -33,10 +37,15 @@ from .decision import EXIT_WONT_PATCH as EXIT_WONT_PATCH
 
 
 def main(argv: Any = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["selftest"]:  # its own options (torch imported only here)
+        from .selftest.cli import main as selftest_main
+
+        return selftest_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="vllm-bi100-patch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"vllm-bi100-patch {__version__}")
-    parser.add_argument("command", choices=["status", "doctor", "env-table", "versions-table"])
+    parser.add_argument("command", choices=["status", "doctor", "selftest", "env-table", "versions-table"])
     parser.add_argument("--json", action="store_true", help="status as JSON")
     args = parser.parse_args(argv)
     if args.command == "status":

@@ -8,6 +8,7 @@ its wheel (sitecustomize, .pth and entry point are the real ones) and the offici
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -173,3 +174,32 @@ def test_swapped_out_blocks_come_back_bit_identical():
     # The fake ixformer has copy_blocks (whether 3.2.3's does is not documented): not needed.
     assert st["report"]["skipped"]["copy_blocks"].startswith("not needed")
     assert st["counts"]["swap_blocks"] == 2
+
+
+def test_selftest_on_the_standin_never_calls_v1_above_its_limit():
+    """``vllm-bi100-patch selftest`` as an operator runs it on the vendor build: it finds the
+    vendor V1 (ixformer's, whose fake raises ``BI100Hang`` above 32,768 tokens), times it at
+    its limit and not one token above, checks it against the reference, and keeps Triton's
+    prefix kernel out of the process."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI100")}
+    full.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_bi100_patch", "selftest", "--json", "--quick",
+         "--heads", "2", "--kv-heads", "1", "--head-size", "128", "--layers", "2",
+         "--dtype", "bfloat16", "--max-len", "40000", "--lengths", "1024,32768,32769",
+         "--contexts", "0", "--chunk-size", "64", "--repeats", "1",
+         "--check", "check_native_v1_matches_reference", "--check",
+         "check_route_above_v1_limit"],
+        env=full, capture_output=True, text=True, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["native"]["v1_limit"] == V1_LIMIT and out["native"]["convention"] == "vendor"
+    assert out["native"]["native_v1"].startswith("paged_attention_v1 present (vendor")
+    assert out["native"]["calls_max_seq_len"] == V1_LIMIT
+    assert out["native"]["prefix_prefill"] in ("absent", "substitute")
+    assert [(c["name"], c["ok"]) for c in out["checks"]] == [
+        ("check_native_v1_matches_reference", True), ("check_route_above_v1_limit", True)]
+    routes = [(t["route"], t["tokens"]) for t in out["timings"] if t["kernel"] == "decode"]
+    assert routes == [("fallback", 1024), ("native_v1", 1024), ("fallback", 32768),
+                      ("native_v1", 32768), ("fallback", 32769)]
+    assert "BI100Hang" not in proc.stderr

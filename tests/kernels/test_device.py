@@ -1,14 +1,15 @@
-"""The device checks (``device_checks.py``) under pytest, on ``BI100_TEST_DEVICE`` (default
-cpu, where the GPU formulation is forced): ``BI100_TEST_DEVICE=cuda python -m pytest
-tests/kernels/test_device.py`` on a GPU."""
+"""The device checks (``vllm_bi100_patch.selftest.checks``, the ones ``selftest`` runs) under
+pytest, on ``BI100_TEST_DEVICE`` (default cpu, where the GPU formulation is forced):
+``BI100_TEST_DEVICE=cuda python -m pytest tests/kernels/test_device.py`` on a GPU."""
 
 from __future__ import annotations
 
 import os
 
-import device_checks
 import pytest
 import torch
+
+from vllm_bi100_patch.selftest import checks as device_checks
 
 DEVICE = torch.device(os.environ.get("BI100_TEST_DEVICE", "cpu"))
 
@@ -28,5 +29,5 @@ def test_device_check(check):
         pytest.skip(str(why))
 
 
-# The plain runner a bare GPU machine uses (``python device_checks.py``: exit status and
-# summary line) is run by ``test_bench_script.py::test_gpu_kernels_check_dry_run``.
+# The command an operator runs (``vllm-bi100-patch selftest``: the same checks, exit status,
+# JSON) is tested in ``tests/test_selftest.py``.

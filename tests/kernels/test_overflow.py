@@ -2,7 +2,7 @@
 
 The GPU formulation ("native") multiplies in the half dtypes; nothing it rounds to them may
 overflow (inf, then NaN) where the float32 formulation gives the right answer.  The grid is
-``device_checks.MAGNITUDES`` (shared with the GPU runner); the ALiBi and sliding-window
+``vllm_bi100_patch.selftest.magnitudes.MAGNITUDES`` (shared with ``selftest``); the ALiBi and sliding-window
 cases are the reproductions of the issue, made cheap (one KV head, small heads).
 """
 
@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-from device_checks import decode_from, large_magnitude_errors, magnitude_case
 from helpers.reference import (
     TOLERANCE,
     attend,
@@ -26,6 +25,7 @@ from helpers.reference import (
 )
 
 from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix
+from vllm_bi100_patch.selftest.magnitudes import decode_from, large_magnitude_errors, magnitude_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -6,8 +6,8 @@ of an uncached prompt equal the prefix kernel's after a hit.
 
 Rows are compared with ``torch.equal`` after the one-chunk computation, through
 ``helpers.slicing`` (which writes the cache as vLLM does and poisons every slot past the
-cached part with NaN).  ``tests/kernels/device_checks.py::check_slicing_invariance`` runs the
-same comparisons on a GPU.  Invariance holds for one memory budget (the kernels' key groups
+cached part with NaN).  ``selftest.checks.check_prefix_slicing_invariance`` (the package's)
+runs the same comparisons on a GPU.  Invariance holds for one memory budget (the kernels' key groups
 follow ``VLLM_BI100_PREFIX_BUDGET_MB``, a per-server setting), every comparison here uses the
 default.
 """

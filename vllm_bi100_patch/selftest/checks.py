@@ -1,67 +1,62 @@
-"""The reference grid, reduced, on one device: plain functions that need torch only.
+# mypy: disable-error-code="call-arg,arg-type,misc"
+# (the checks unpack argument lists built by the reference helpers: *args then more positionals)
+"""The device checks: the reference grid, reduced, on one device; plain functions of the
+device that need torch only (no pytest, no vLLM).
 
-``python tests/kernels/device_checks.py --device cuda`` runs them without pytest (a bare
-GPU machine may have only torch: ``scripts/gpu_kernels_check.sh`` does this);
-``test_device.py`` runs the same checks under pytest on the device named by
+``vllm-bi100-patch selftest`` runs them on the operator's card (``cli.py``);
+``tests/kernels/test_device.py`` runs them under pytest on the device named by
 ``BI100_TEST_DEVICE`` (default cpu).  On a GPU the kernels choose their own formulation,
-which must be the GPU one ("native"); on CPU that formulation is forced, so these checks
-run (and can fail) everywhere.  Tolerances: ``helpers.reference.TOLERANCE``.
+which must be the GPU one ("native"); on CPU the tests force that formulation
+(``use_device_formulation``), so these checks run (and can fail) everywhere.  Tolerances:
+``reference.TOLERANCE``.  A check raises ``Skip`` where it does not apply, anything else
+where it fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
-import time
-import traceback
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-# Run as a plain script (no pytest configuration): tests/ for the helpers, the root for the shim.
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
+from ..kernels import _common, paged_decode, paged_prefix, prefix
+from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
+                         large_magnitude_errors, magnitude_case)
+from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
+                        make_tables, prefix_inputs, ref_decode, ref_prefix, rel_error)
+from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
 
-from helpers.reference import (  # noqa: E402
-    TOLERANCE,
-    cpu_half_gemm,
-    decode_inputs,
-    fp8_available,
-    make_cache,
-    make_tables,
-    prefix_inputs,
-    ref_decode,
-    ref_prefix,
-    rel_error,
-)
-
-from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows  # noqa: E402
-
-from vllm_bi100_patch.kernels import _common, dense, paged_decode, paged_prefix, prefix  # noqa: E402
+#: The dtypes the checks run in (None: every dtype the device multiplies, see ``_dtypes``);
+#: ``selftest --quick`` narrows it to the model's.  Set through ``use_device_formulation``.
+DTYPES: Optional[Sequence[torch.dtype]] = None
 
 
 class Skip(Exception):
     """A check that does not apply here."""
 
 
-def use_device_formulation(device: torch.device) -> Dict[str, object]:
-    """Force the GPU formulation on CPU, the device's own choice elsewhere; returns the
-    previous settings for ``restore``."""
+def use_device_formulation(device: torch.device, gpu: bool = True,
+                           dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, Any]:
+    """Force the GPU formulation on CPU (``gpu``; else the CPU's own), the device's own choice
+    elsewhere; the checks' dtypes (``DTYPES``); returns the previous settings for
+    ``restore``."""
+    global DTYPES
     saved = {"FORCE_LAYOUT": _common.FORCE_LAYOUT, "FORCE_COMPUTE": _common.FORCE_COMPUTE,
-             "FORCE_PATH": prefix.FORCE_PATH}
-    cpu = device.type == "cpu"
+             "FORCE_PATH": prefix.FORCE_PATH, "DTYPES": DTYPES}
+    cpu = device.type == "cpu" and gpu
     _common.FORCE_LAYOUT = "generic" if cpu else None
     _common.FORCE_COMPUTE = "native" if cpu else None
     prefix.FORCE_PATH = None
+    DTYPES = dtypes
     return saved
 
 
-def restore(saved: Dict[str, object]) -> None:
-    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]  # type: ignore[assignment]
-    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]  # type: ignore[assignment]
-    prefix.FORCE_PATH = saved["FORCE_PATH"]  # type: ignore[assignment]
+def restore(saved: Dict[str, Any]) -> None:
+    global DTYPES
+    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]
+    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]
+    prefix.FORCE_PATH = saved["FORCE_PATH"]
+    DTYPES = saved["DTYPES"]
 
 
 def _sync(device: torch.device) -> None:
@@ -69,14 +64,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _dtypes(device: torch.device):
-    """float16 needs half-precision GEMMs, which some torch releases lack on CPU (2.1)."""
+def _dtypes(device: torch.device) -> List[torch.dtype]:
+    """float16 needs half-precision GEMMs, which some torch releases lack on CPU (2.1);
+    ``DTYPES`` narrows the list."""
     half = [torch.float16] if device.type != "cpu" or cpu_half_gemm() else []
-    return half + [torch.bfloat16, torch.float32]
+    every = half + [torch.bfloat16, torch.float32]
+    return every if DTYPES is None else [d for d in every if d in DTYPES] or every[:1]
 
 
 def check_formulation(device: torch.device) -> None:
-    assert _common.compute_mode(device) == "native"
+    """The kernels compute in the GPU formulation on a GPU (and on CPU where it is forced),
+    in float32 on CPU otherwise: the formulation the other checks' tolerances are for."""
+    forced = _common.FORCE_COMPUTE
+    want = "fp32" if device.type == "cpu" and forced is None else (forced or "native")
+    assert _common.compute_mode(device) == want, (_common.compute_mode(device), want)
     if device.type != "cpu":
         assert not _common.fast_layout(device)
         assert not prefix.sdpa_path_ok(torch.bfloat16, device)
@@ -102,103 +103,6 @@ def check_reference_grid(device: torch.device) -> None:
                     _sync(device)
                     err = rel_error(out.cpu(), ref)
                     assert err <= bound, ("prefix", dtype, head_size, amp, budget_mb, err)
-
-
-def magnitude_case(dtype: torch.dtype, ctx: int, new: int, q_val: float, k_val: float,
-                   v_val: float, *, constant: bool, head_size: int = 128, seed: int = 0):
-    """One sequence of ``ctx`` cached tokens (block 16, blocks in order) and ``new`` new ones,
-    two query heads on one KV head.  ``constant``: every q/k component is ``q_val``/``k_val``
-    (all scores equal: the softmax is uniform whatever their size) and values are
-    ``v_val``; else q/k are normal times ``q_val``/``k_val`` and values uniform in
-    ``[-v_val, v_val]``.  Returns the prefix arguments (decode uses ``(q[-1:], kc, vc, bt,
-    seq_lens)`` of a context of ``ctx + new`` tokens, see ``decode_from``)."""
-    g = torch.Generator().manual_seed(seed)
-    total, x = ctx + new, 16 // torch.empty((), dtype=dtype).element_size()
-    blocks = max(1, math.ceil(total / 16))
-
-    def draw(shape, val, uniform=False):
-        if constant:
-            return torch.full(shape, float(val))
-        if uniform:
-            return (torch.rand(shape, generator=g) * 2 - 1) * val
-        return torch.randn(shape, generator=g) * val
-
-    k_all = draw((total, 1, head_size), k_val).to(dtype)
-    v_all = draw((total, 1, head_size), v_val, uniform=True).to(dtype)
-    kc = k_all[:blocks * 16].new_zeros(blocks * 16, 1, head_size)
-    vc = kc.clone()
-    kc[:total], vc[:total] = k_all, v_all
-    # Dense [tokens, 1, D] -> vLLM's layout: key [blocks, 1, D/x, 16, x], value [blocks, 1, D, 16].
-    key_cache = kc.view(blocks, 16, 1, head_size // x, x).permute(0, 2, 3, 1, 4).contiguous()
-    value_cache = vc.view(blocks, 16, 1, head_size).permute(0, 2, 3, 1).contiguous()
-    q = draw((new, 2, head_size), q_val).to(dtype)
-    bt = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-    return (q, k_all[ctx:], v_all[ctx:], key_cache, value_cache, bt,
-            torch.tensor([0, new], dtype=torch.int32),
-            torch.tensor([total], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32))
-
-
-def decode_from(case):
-    """The decode call of a ``magnitude_case``: the last new token's query over all
-    ``ctx + new`` tokens (the case's cache holds them all)."""
-    q, _, _, kc, vc, bt, _, sl, _ = case
-    return q[-1:], kc, vc, bt, sl
-
-
-#: (ctx, new, q, k, v, constant): the issue's reproductions (values 128 / 300 over 4,096
-#: tokens, q = k = 24 with head 128) and magnitudes around and past the float16 range:
-#: unnormalised P.V sums up to 4,096 x 60,000, scores q.k up to 1.3e6 before scaling
-#: (1.1e5 after: past float16 even when scaled first).
-MAGNITUDES = [
-    (4096, 8, 1.0, 0.0, 128.0, True),
-    (4096, 8, 1.0, 1.0, 300.0, True),
-    (4096, 8, 1.0, 1.0, 300.0, False),
-    (4096, 8, 1.0, 1.0, 60000.0, False),
-    (600, 8, 24.0, 24.0, 1.0, True),
-    (600, 8, 64.0, 64.0, 50.0, True),
-    (600, 8, 100.0, 100.0, 1000.0, True),
-    (300, 8, 2.0, 2.0, 20000.0, False),
-]
-
-
-def large_magnitude_errors(device: torch.device, dtype: torch.dtype) -> list:
-    """``MAGNITUDES`` for one dtype: the cases whose error against the float64 reference
-    exceeds ``TOLERANCE`` (decode, the tiled prefix and, on CPU, the SDPA prefix path)."""
-    failures = []
-    bound = TOLERANCE[(_common.compute_mode(device), dtype)]
-    scale = 128 ** -0.5
-    for ctx, new, qv, kv, vv, const in MAGNITUDES:
-        case = magnitude_case(dtype, ctx, new, qv, kv, vv, constant=const)
-        ref = ref_prefix(*case, scale)
-        dev = [t.to(device) for t in case]
-        for path in ["tiled"] + (["sdpa"] if device.type == "cpu" else []):
-            saved, prefix.FORCE_PATH = prefix.FORCE_PATH, path
-            try:
-                out = paged_prefix(*dev, scale=scale).cpu()
-            finally:
-                prefix.FORCE_PATH = saved
-            err = rel_error(out, ref)
-            if not err <= bound:
-                failures.append((f"prefix {path}", ctx, qv, kv, vv, const, err))
-        err = rel_error(paged_decode(*decode_from(dev), scale).cpu(), ref[-1:])
-        if not err <= bound:
-            failures.append(("decode", ctx, qv, kv, vv, const, err))
-        err = rel_error(dense_last_rows(case, dtype, ctx, qv, kv, vv, const, scale, device), ref)
-        if not err <= bound:
-            failures.append(("dense", ctx, qv, kv, vv, const, err))
-    return failures
-
-
-def dense_last_rows(case, dtype: torch.dtype, ctx: int, qv: float, kv: float, vv: float,
-                    const: bool, scale: float, device: torch.device) -> torch.Tensor:
-    """The dense kernel (row ``dense_prefill``) over the whole ``magnitude_case`` sequence as
-    one prompt: its last ``new`` rows are the case's prefix rows (the same keys, values and
-    last queries; the earlier queries are drawn like them)."""
-    q = case[0]
-    whole = magnitude_case(dtype, 0, ctx + q.shape[0], qv, kv, vv, constant=const)
-    q_all = torch.cat([whole[0][:ctx], q])  # k and v: the same draws as the case's
-    args = [t.to(device) for t in (q_all, whole[1], whole[2])]
-    return dense.varlen_attention(*args, [q_all.shape[0]], scale)[ctx:].cpu()
 
 
 def check_large_magnitudes(device: torch.device) -> None:
@@ -376,34 +280,3 @@ CHECKS: List[Callable[[torch.device], None]] = [
     check_prefix_slicing_invariance,
     check_cuda_no_sync_and_budget,
 ]
-
-
-def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default=os.environ.get("BI100_TEST_DEVICE", "cpu"))
-    device = torch.device(parser.parse_args(argv).device)
-    saved = use_device_formulation(device)
-    failed = passed = skipped = 0
-    try:
-        for check in CHECKS:
-            t0 = time.perf_counter()
-            try:
-                check(device)
-            except Skip as why:
-                skipped += 1
-                print(f"SKIP {check.__name__}: {why}")
-                continue
-            except Exception:
-                failed += 1
-                print(f"FAIL {check.__name__}:\n{traceback.format_exc()}")
-                continue
-            passed += 1
-            print(f"ok   {check.__name__} ({time.perf_counter() - t0:.1f} s)")
-    finally:
-        restore(saved)
-    print(f"device checks on {device}: {passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
