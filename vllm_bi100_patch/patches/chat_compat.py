@@ -35,6 +35,7 @@ from ..versions import Family
 from . import code_shapes
 from ._common import Wrapper, counter
 from .block_tables import fingerprint
+from .seq_limit import only_063
 
 OWNER = "ChatCompletionRequest"
 REWRITES = counter("chat_request_compat")
@@ -259,7 +260,7 @@ def compat_needed(module: types.ModuleType, settings: config.Settings) -> Option
                 "vLLM 0.6.4 (#9837, #10000, #9530)")
     if getattr(cls, "model_config", {}).get("extra") != "forbid":
         return f"this build's {OWNER} accepts unknown fields"
-    return None
+    return only_063()
 
 
 def check(cls: Any) -> Optional[str]:
@@ -314,8 +315,7 @@ def make_request_class(family: Family, original: Any, module: types.ModuleType,
 
 ERROR_PARAMS = ("self", "message", "err_type", "status_code")
 ERROR_KNOWN: Dict[str, str] = {
-    "e6f5136b49ca9d28-bc54de9cef019cae-ce47ff2def4c18ba-e7321ac0d7818453-b4842109b58cc4a2-"
-    "c88a2f856248af0e": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
+    "4e45ccf5d1389af8": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
 }
 
 

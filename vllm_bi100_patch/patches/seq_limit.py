@@ -32,7 +32,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .. import config
+from .. import config, versions
 from .._log import log
 from ..versions import Family
 from . import code_shapes
@@ -74,7 +74,17 @@ def limit_needed(module: types.ModuleType, settings: config.Settings) -> Optiona
         return "vllm.sequence is not loaded (no V0 engine here)"
     if isinstance(vars(sequence).get("ParallelSampleSequenceGroup"), type):
         return f"this build runs parallel sampling as groups of one ({PR}, vLLM 0.6.4)"
-    return None
+    return only_063()
+
+
+def only_063() -> Optional[str]:
+    """None on vLLM 0.6.3 (CoreX 3.2.3's release, the code these rows were checked against);
+    else why they are not applied here."""
+    info = versions.installed_vllm_version()
+    if info.release is not None and tuple(info.release[:3]) == (0, 6, 3):
+        return None
+    return (f"the row was checked against vLLM 0.6.3 (CoreX 3.2.3's release) only; this is "
+            f"vLLM {info.raw}")
 
 
 def check_scheduler(func: Callable[..., Any]) -> Optional[str]:
