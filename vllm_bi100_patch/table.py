@@ -343,7 +343,7 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.seq_limit:make_add_request_wrapper",
         params="code:vllm_bi100_patch.patches.seq_limit:check_add_request",
         when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        counters=("seq_limit_refused",),
+        counters=("seq_limit_engine",),
         why="`LLMEngine.add_request` queues a request whose `n`/`best_of` exceeds "
             "`max_num_seqs` although the scheduler can never run it",
         how="refuses it before it is queued: `ValueError` naming the request, n (and "
@@ -367,7 +367,7 @@ PATCHES: Tuple[Patch, ...] = (
         "vllm_bi100_patch.patches.seq_limit:make_check_model_wrapper",
         params="code:vllm_bi100_patch.patches.seq_limit:check_check_model",
         when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        counters=("seq_limit_refused",),
+        counters=("seq_limit_openai",),
         why="the OpenAI server accepts a chat or completion request whose `n`/`best_of` "
             "exceeds `max_num_seqs` (a stream is answered 200 before the engine refuses it)",
         how="after the model check, such a request gets a 400 naming n (or best_of) and "

@@ -215,6 +215,9 @@ CASES = {
         "name": "answer", "schema": SCHEMA}}},
     "developer_role": {"messages": [{"role": "developer", "content": "be brief"}, USER]},
     "empty_messages": {"messages": []},
+    # an exception without a message on the path a remote image's TimeoutError() takes
+    # (``create_error_response(str(e))``), raised here by the request's own chat template
+    "error_without_message": {"extra_body": {"chat_template": "{{ raise_exception('') }}"}},
     "n_over_max_num_seqs": {"n": 2},
     "best_of_over_max_num_seqs": {"extra_body": {"best_of": 2}},
     "stream_usage": {"stream": True, "stream_options": {"include_usage": True}},

@@ -142,6 +142,12 @@ def test_every_refusal_is_a_400_that_names_its_cause(runs):
         assert shim[case]["status"] == 400, shim[case]
         assert text in shim[case]["message"], (case, shim[case]["message"])
         assert shim[case]["queued"] == [], shim[case]  # refused before anything is queued
+    # An error without a message: stock answers an empty 400, the shim names the exception.
+    assert stock["error_without_message"]["status"] == 400
+    assert stock["error_without_message"]["message"] == ""
+    assert shim["error_without_message"]["status"] == 400
+    assert shim["error_without_message"]["message"].startswith(
+        "TemplateError (raised without a message"), shim["error_without_message"]
     assert "unknown_field" in stock and "frobnicate" in stock["unknown_field"]["message"]
     # Stock queues what its scheduler can never run (and answers a stream with 200).
     assert stock["n_over_max_num_seqs"]["queued"][0]["n"] == 2

@@ -330,8 +330,8 @@ def _cause() -> str:
         return "the request failed with an error without a message (see the server log)"
     if str(exc).strip():
         return f"{type(exc).__name__}: {exc}"
-    return (f"{type(exc).__name__} (the error has no message; e.g. a remote image or file "
-            "that timed out; the server log has the traceback)")
+    return (f"{type(exc).__name__} (raised without a message, as a remote image fetch that "
+            "timed out raises TimeoutError(); the server log has the traceback)")
 
 
 def make_error_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,

@@ -39,7 +39,8 @@ from . import code_shapes
 from ._common import Wrapper, counter
 
 IGNORED = counter("unschedulable_group")
-REFUSED = counter("seq_limit_refused")
+REFUSED_ENGINE = counter("seq_limit_engine")
+REFUSED_OPENAI = counter("seq_limit_openai")
 PR = "vLLM pull request #9302"
 
 #: The front end's ``max_num_seqs``, recorded by ``seq_limit_client`` (one engine per process).
@@ -162,7 +163,7 @@ def make_add_request_wrapper(family: Family, original: Callable[..., Any],
                                best_of if best_of and best_of != real_n else None,
                                instance.scheduler_config.max_num_seqs)
             if problem is not None:
-                REFUSED.add()
+                REFUSED_ENGINE.add()
                 request_id = args[0] if args else kwargs.get("request_id")
                 raise ValueError(f"request {request_id}: {problem}")
         return wrapped(*args, **kwargs)
@@ -205,7 +206,7 @@ def make_check_model_wrapper(family: Family, original: Callable[..., Any],
                                bool(getattr(request, "use_beam_search", False)))
             if problem is None:
                 return None
-            REFUSED.add()
+            REFUSED_OPENAI.add()
             return instance.create_error_response(problem)
 
         return checked()
