@@ -174,9 +174,12 @@ def rewrite(data: Dict[str, Any], fields: FrozenSet[str], message_keys: FrozenSe
     ``message_keys``: every key of a message type it reads.  Raises ``RequestRefused``
     naming the field for what cannot be served as asked."""
     for name, why in REFUSED.items():
-        if name in data and name not in fields and data[name] is not None:
-            raise RequestRefused(f"`{name}` is not supported by this server: {why} (refused "
-                                 "rather than ignored)")
+        if name in data and name not in fields:
+            if data[name] is not None:
+                raise RequestRefused(f"`{name}` is not supported by this server: {why} "
+                                     "(refused rather than ignored)")
+            del data[name]  # null: the default, which is what this server does
+            _warn_once(f"field `{name}: null`", "null asks for the default")
     modalities = data.get("modalities")
     if "modalities" not in fields and "modalities" in data:
         if modalities not in (None, TEXT_ONLY):
