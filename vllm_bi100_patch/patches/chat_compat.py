@@ -22,6 +22,7 @@ Never imports vLLM (pydantic is imported when the class is built: vLLM's front e
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import threading
@@ -60,6 +61,8 @@ REFUSED: Dict[str, str] = {
     "audio": "audio output is not served by vLLM 0.6.3",
 }
 TEXT_ONLY = ["text"]
+#: The body's values ``rewrite`` changes in place (copied first).
+MUTATED = ("messages", "tools", "stream_options")
 
 _warned: set = set()
 _warned_lock = threading.Lock()
@@ -280,11 +283,7 @@ def check(cls: Any) -> Optional[str]:
     shape = _shape(cls)
     if shape is None:
         return f"the source of {OWNER}'s validators cannot be read"
-    if shape not in KNOWN:
-        return (f"{OWNER}'s validators have a code shape this fix was not checked against "
-                f"(fingerprint {shape}; known: "
-                + ", ".join(f"{k} = {v}" for k, v in KNOWN.items()) + ")")
-    return None
+    return code_shapes.unknown_shape(f"{OWNER}'s validators", shape, KNOWN)
 
 
 def make_request_class(family: Family, original: Any, module: types.ModuleType,
@@ -304,8 +303,14 @@ def make_request_class(family: Family, original: Any, module: types.ModuleType,
         @classmethod
         def _vllm_bi100_compat(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
             if isinstance(data, dict):
-                data = rewrite(dict(data), fields, keys)
-                REWRITES.add()
+                body = dict(data)
+                for key in MUTATED:  # the caller's own objects are never changed
+                    if key in body:
+                        body[key] = copy.deepcopy(body[key])
+                body = rewrite(body, fields, keys)
+                if body != data:
+                    REWRITES.add()
+                data = body
             return handler(data)
 
     ChatCompletionRequest.__module__ = original.__module__

@@ -32,7 +32,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .. import config, versions
+from .. import config, metrics, versions
 from .._log import log
 from ..versions import Family
 from . import code_shapes
@@ -165,10 +165,13 @@ def make_add_request_wrapper(family: Family, original: Callable[..., Any],
             if problem is not None:
                 REFUSED_ENGINE.add()
                 request_id = args[0] if args else kwargs.get("request_id")
-                raise ValueError(f"request {request_id}: {problem}")
+                exc = ValueError(f"request {request_id}: {problem}")
+                metrics.TALLY.refused("seq_limit_engine", exc)
+                raise exc
         return wrapped(*args, **kwargs)
 
-    return add_request
+    # vLLM's own refusals (LoRA, priority) are not this row's: it counts only its own
+    return metrics.counts_own_refusals(add_request)
 
 
 def make_client_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
