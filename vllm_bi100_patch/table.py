@@ -417,9 +417,9 @@ PATCHES: Tuple[Patch, ...] = (
         why="the front end answers `str(exception)` as a 400's message: an exception without "
             "one (a remote image that timed out: `TimeoutError()`) gives a 400 with an empty "
             "message",
-        how="an empty message is replaced by the exception being handled, by type (e.g. "
-            "`TimeoutError (no message): ...`), or says the server log has it; other messages "
-            "unchanged",
+        how="an empty message is replaced by the exception being handled, named by its type "
+            "(`TimeoutError (raised without a message, ...)`), or one that says the server log "
+            "has it; other messages unchanged",
         vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3); not applied where "
              "the chat row is not",
         upstream="none (later releases still answer `str(e)`)",
