@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Regenerates the README's generated blocks (environment variables, supported versions, the
-patch catalogue, the metrics' series).
+"""Regenerates the generated blocks of the README and docs/: the supported versions (README.md),
+the patch catalogue (docs/patches.md), the environment variables (docs/operating.md) and the
+metrics' series (docs/metrics-operators.md).
 
-    python scripts/readme_tables.py          # rewrite README.md in place
-    python scripts/readme_tables.py --check  # exit 1 if README.md is out of date
+    python scripts/readme_tables.py          # rewrite those files in place
+    python scripts/readme_tables.py --check  # exit 1 if one of them is out of date
 
 The versions table comes from the registry's families (vllm_bi100_patch.versions) and the
 release lines that noxfile.py tests for real (read with ast, so nox need not be installed).
@@ -68,29 +69,43 @@ def versions_block() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"env-table": config.env_table, "versions-table": versions_block,
-          "catalogue": table.catalogue, "metrics-table": metrics.series_table}
+#: file (relative to the repository root) -> {block name: the function that makes it}
+FILES = {
+    "README.md": {"versions-table": versions_block},
+    "docs/patches.md": {"catalogue": table.catalogue},
+    "docs/operating.md": {"env-table": config.env_table},
+    "docs/metrics-operators.md": {"metrics-table": metrics.series_table},
+}
+BLOCKS = {name: make for blocks in FILES.values() for name, make in blocks.items()}
 
 
-def render(text: str) -> str:
-    for name, make in BLOCKS.items():
+def render(text: str, blocks: dict = BLOCKS, where: str = "README.md") -> str:
+    for name, make in blocks.items():
         pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
         if not pattern.search(text):
-            raise LookupError(f"README.md has no {name} block")
+            raise LookupError(f"{where} has no {name} block")
         block = make()
         text = pattern.sub(lambda m, b=block: m.group(1) + b + "\n" + m.group(2), text)
     return text
 
 
 def main(argv: list) -> int:
-    text = open(README).read()
-    new = render(text)
-    if "--check" in argv:
-        if new != text:
-            print("README.md is out of date: run python scripts/readme_tables.py")
-            return 1
-        return 0
-    open(README, "w").write(new)
+    stale = []
+    for rel, blocks in FILES.items():
+        path = os.path.join(ROOT, rel)
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        new = render(text, blocks, rel)
+        if new == text:
+            continue
+        if "--check" in argv:
+            stale.append(rel)
+        else:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(new)
+    if stale:
+        print(f"{', '.join(stale)} out of date: run python scripts/readme_tables.py")
+        return 1
     return 0
 
 

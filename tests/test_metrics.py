@@ -1,4 +1,4 @@
-"""The shim's counters as Prometheus series (README "Metrics"): what is counted, the names,
+"""The shim's counters as Prometheus series (docs/metrics-operators.md): what is counted, the names,
 and how they reach prometheus_client's multiprocess files or an in-process registry.
 
 vLLM's own /metrics app is driven in tests/real/test_metrics_real.py; here fake vLLM trees
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import textwrap
 
 import pytest
@@ -154,7 +155,7 @@ def test_fixed_series_exist_from_zero_and_every_series_is_documented():
     assert fams["vllm_bi100:calls"][3] == [("vllm_bi100:calls_total",
                                             (("counter", "new_row_calls"),), 2.0)]
     assert fams["vllm_bi100:info"][3] == [("vllm_bi100:info", tuple(sorted(info.items())), 1.0)]
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "metrics-operators.md")).read()
     for name in metrics.names():
         assert f"`{name}`" in readme, name
 
@@ -223,6 +224,57 @@ def test_files_hold_the_counts_and_old_info_is_zeroed(tmp_path, monkeypatch):
     names = [os.path.basename(p) for p in glob.glob(str(tmp_path / "*.db"))]
     assert sorted(n.split("_", 1)[0] for n in names) == ["counter", "gauge", "histogram"]
     assert all(n.endswith(f"vllm-bi100-{os.getpid()}.db") for n in names)
+
+
+@pytest.mark.parametrize("how", ["recreated", "emptied", "another"])
+def test_a_recreated_emptied_or_other_directory_gets_every_series_again(tmp_path, monkeypatch,
+                                                                        how, caplog):
+    """vLLM's front end (or an operator) may remove and recreate the directory: the files the
+    exporter mapped are gone, and the next flush writes every series into the new ones."""
+    first = tmp_path / "prom"
+    first.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(first))
+    exporter = metrics_export.Exporter(5)
+    exporter.info = {"shim_version": "1", "vllm_version": "v", "family": "f", "rows": "decode"}
+    metrics.TALLY.decode("native_v1", "fits_v1", 100)
+    exporter.tick()
+    assert total(scraped(str(first)), "vllm_bi100:decode_route_reasons_total", route="native_v1") == 1
+    now = first
+    if how == "recreated":
+        shutil.rmtree(first)
+        first.mkdir()
+    elif how == "emptied":
+        for name in os.listdir(first):
+            os.remove(first / name)
+    else:
+        now = tmp_path / "other"
+        now.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(now))
+    for _ in range(2):  # the second flush finds everything in place: no second reopen
+        exporter.tick()
+    got = scraped(str(now))
+    assert total(got, "vllm_bi100:decode_route_reasons_total", route="native_v1") == 1
+    assert total(got, "vllm_bi100:info", rows="decode") == 1
+    assert exporter.mode == "files" and exporter.reopened == 1 and exporter.last_error is None
+    assert metrics_export.state.__doc__  # status() reads the same fields (test_status_edges)
+    assert exporter.directory == str(now)
+    assert "writing every series again" in caplog.text
+
+
+def test_a_failing_flush_is_reported_until_one_succeeds(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    exporter = metrics_export.Exporter(5)
+    real = metrics.families
+
+    def broken(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics, "families", broken)
+    exporter.tick()
+    assert exporter.mode == "failed" and "No space left" in exporter.last_error
+    monkeypatch.setattr(metrics, "families", real)
+    exporter.tick()
+    assert exporter.mode == "files" and exporter.flushes == 1 and exporter.last_error is None
 
 
 def test_a_process_where_no_row_applied_exports_nothing_until_one_does():
@@ -383,13 +435,21 @@ def test_doctor_says_whether_and_how_metrics_are_exported(tmp_path, environ, ver
         assert checks[1][1] == "names" and "vllm_bi100:decode_calls_total" in checks[1][2]
 
 
+def test_doctor_warns_of_a_directory_it_cannot_write(tmp_path, monkeypatch):
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if p == str(tmp_path) else real(p, m))
+    checks = doctor.metrics_checks(ON, versions.VersionInfo("0.6.3.post1"),
+                                   {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert checks[0][0] == "WARN" and "not writable" in checks[0][2]
+
+
 def test_doctor_exports_nothing_itself_and_has_a_metrics_section():
     sections, _ = doctor.doctor_sections()
     assert metrics_export.suppressed and metrics_export.state() == {"export": "off"}
     assert "metrics (vLLM's /metrics)" in [s.title for s in sections]
 
 
-def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
+def test_the_metrics_doc_and_the_grafana_panel_name_only_series_that_exist():
     import json
     import re
 
@@ -397,7 +457,7 @@ def test_the_readme_and_the_grafana_panel_name_only_series_that_exist():
     known |= {n + s for n in known for s in ("_bucket", "_count", "_sum")}
     panel = open(os.path.join(ROOT, "docs", "grafana-bi100-panel.json")).read()
     exprs = [t["expr"] for p in json.loads(panel)["panels"] for t in p["targets"]]
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "metrics-operators.md")).read()
     used = set(re.findall(r"vllm_bi100:[a-z0-9_]+", readme + "\n".join(exprs)))
     assert used and used <= known, used - known
     assert any('route="fallback"' in e and "/ sum by (instance)" in e for e in exprs)

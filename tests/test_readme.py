@@ -1,4 +1,5 @@
-"""The README cannot drift: generated tables, the two set-up commands, CI running the same one."""
+"""The README cannot drift: generated tables (README and docs/), the two set-up commands early on,
+CI running the same one, a README a newcomer reads in minutes."""
 
 import os
 import re
@@ -11,9 +12,13 @@ from helpers.shim import ROOT
 from vllm_bi100_patch import versions
 
 
-def _readme():
-    with open(os.path.join(ROOT, "README.md")) as fh:
+def _read(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as fh:
         return fh.read()
+
+
+def _readme():
+    return _read("README.md")
 
 
 def test_generated_tables_are_current():
@@ -42,6 +47,44 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert test_cmd in ci.splitlines()
 
 
+def test_the_setup_commands_come_within_the_first_80_lines_with_their_python():
+    lines = _readme().splitlines()
+    fences = [i for i, line in enumerate(lines) if line.startswith("```bash")]
+    setup = lines.index("## Set-up")
+    commands = [i for i in fences if i > setup][:2]
+    assert len(commands) == 2 and max(commands) < 80, commands
+    head = "\n".join(lines[setup:commands[0]])
+    assert f"Python {readme_tables.nox_string('PYTHON')}" in head  # what every session asks for
+
+
+def test_the_readme_is_short_and_has_no_development_history():
+    lines = _readme().splitlines()
+    assert len(lines) <= 300, len(lines)
+    long = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 400]
+    assert not long, long
+    text = _readme()
+    history = re.findall(r"\bissues? #?\d+|\bthe field\b|\blent\b|starting commit", text, re.I)
+    assert not history, history
+
+
+def test_the_server_install_builds_the_wheel_and_installs_it():
+    install = _readme().split("## Install on a server", 1)[1].split("\n## ", 1)[0]
+    assert "python3 -m pip wheel --no-deps -w dist ." in install
+    assert re.search(r"pip install \S*vllm_bi100_patch-[0-9.]+-py3-none-any\.whl", install)
+    assert "PYTHONPATH" in install and ".pth" in install
+
+
+def test_generated_blocks_live_where_the_readme_points():
+    assert "<!-- BEGIN catalogue -->" in _read("docs/patches.md")
+    assert "<!-- BEGIN catalogue -->" not in _readme()
+    assert "<!-- BEGIN versions-table -->" in _readme()
+    for rel, blocks in readme_tables.FILES.items():
+        for name in blocks:
+            assert f"<!-- BEGIN {name} -->" in _read(rel), (rel, name)
+        if rel != "README.md":
+            assert rel in _readme(), rel  # the README's map names every generated doc
+
+
 def test_doctor_exit_codes_and_server_check_are_documented():
     from vllm_bi100_patch import __main__ as cli
 
@@ -51,5 +94,7 @@ def test_doctor_exit_codes_and_server_check_are_documented():
     assert "<vllm-bi100-patch wrapper of PagedAttention.forward_decode (vLLM" in text
     assert "vllm-bi100-patch active: vLLM" in text
     assert "Python 3.10" in text
+    assert "VLLM_BI100_PATCH=0" in text and "docs/operating.md" in text
+    operating = _read("docs/operating.md")
     for heading in ("## Strict mode", "## Reverting", "## When it cannot patch"):
-        assert heading in text
+        assert heading in operating

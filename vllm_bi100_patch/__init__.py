@@ -7,12 +7,14 @@ no vLLM, no wrapt): the ``.pth`` line and ``sitecustomize`` import it in every i
 from __future__ import annotations
 
 import sys
+
+from ._version import __version__
+
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
 if TYPE_CHECKING:
     from typing import Any, Dict, Optional
 
-__version__ = "0.1.0"
 __all__ = ["apply", "revert", "status", "__version__"]
 
 

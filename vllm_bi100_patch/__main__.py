@@ -25,7 +25,8 @@ import json
 import sys
 from typing import Any
 
-from . import __version__, config, decision, doctor, status, versions
+from . import config, decision, doctor, status, versions
+from ._version import __version__
 from .decision import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the README documents them
 from .decision import EXIT_OK as EXIT_OK
 from .decision import EXIT_WONT_PATCH as EXIT_WONT_PATCH

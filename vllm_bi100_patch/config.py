@@ -96,7 +96,7 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable(METRICS_INTERVAL, "5", "integer >= 0",
              "Seconds between two writes of a process's `vllm_bi100:` series to "
              "`PROMETHEUS_MULTIPROC_DIR` (where vLLM set it up): the most the shim's series on "
-             "`/metrics` lag behind (see Metrics). `0`: the shim exports nothing."),
+             "`/metrics` lag behind (`docs/metrics-operators.md`). `0`: the shim exports nothing."),
     Variable(PROMPT_ATTENTION, "auto", "`auto`, `shim`",
              "Who computes the attention of prompts without a cached prefix (the XFormers "
              "backend's `_run_memory_efficient_xformers_forward`, and vLLM's profiling run). "
@@ -106,7 +106,7 @@ VARIABLES: Tuple[Variable, ...] = (
              "`dense_prefill`, also on stock XFormers backends), so that every prompt and "
              "prefix attention row is the shim's and bit-identical however vLLM slices the "
              "prompt (uncached or a prefix-cache hit, any chunk size); slower than a fused "
-             "kernel (README, \"Same prompt, same answer\")."),
+             "kernel (`docs/same-prompt.md`)."),
 )
 
 

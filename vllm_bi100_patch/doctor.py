@@ -13,8 +13,8 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import (__version__, _bootstrap, advice, config, decision, hardware, invariance, status,
-               versions)
+from . import _bootstrap, advice, config, decision, hardware, invariance, status, versions
+from ._version import __version__
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
@@ -207,9 +207,14 @@ def metrics_checks(settings: config.Settings, info: versions.VersionInfo,
         if not os.path.isdir(path):
             return [("WARN", "export", f"none: PROMETHEUS_MULTIPROC_DIR={path} is not a "
                      "directory (the shim never creates it)"), names]
+        if not os.access(path, os.W_OK | os.X_OK):
+            return [("WARN", "export", f"none: PROMETHEUS_MULTIPROC_DIR={path} is not writable "
+                     "by this user (vLLM's own metrics fail there too)"), names]
         return [("ok", "export", f"every process that patches writes its counts to "
                  f"multiprocess files in PROMETHEUS_MULTIPROC_DIR={path} every {interval} s "
-                 "(at most that stale); vLLM's /metrics adds them up over processes"), names]
+                 "(at most that stale; a directory removed or recreated under a running server is "
+                 "written again at the next flush); vLLM's /metrics adds them up over "
+                 "processes"), names]
     v1 = (info.version is not None and info.version.release >= (0, 8)
           and env.get("VLLM_USE_V1", "") != "0")
     if v1:
@@ -324,10 +329,10 @@ def _patch_sections(settings: config.Settings, family: versions.Family
     sections = [Section("code checks", checks)]
     if "vllm.attention.ops.paged_attn" in sys.modules:
         sections.append(_native_section(settings))
-    from . import ops_audit
+    from . import ops_audit, registry
 
     sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
-                            ops_audit.doctor_checks()))
+                            ops_audit.doctor_checks(registry.last_report().applied)))
     return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,
             would)
 

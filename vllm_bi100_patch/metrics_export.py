@@ -11,7 +11,11 @@ A daemon thread then wakes every interval (a scrape-independent period) and:
   that needs live-process aggregation).  The files are the shim's own
   (``counter_vllm-bi100-<pid>.db``), never the ones vLLM's metrics of the same process map.
   vLLM's ``/metrics`` sums every process's files.  Staleness: at most one interval;
-  a final flush at normal exit (atexit, and multiprocessing's finalizers in forked children);
+  a final flush at normal exit (atexit, and multiprocessing's finalizers in forked children).
+  A directory that was removed, recreated or emptied (or a variable that now names another
+  one) is noticed at the next flush: the files are opened anew there and every series is
+  written again (a WARNING says so); a flush that fails leaves ``status()["metrics"]`` in mode
+  ``failed`` with the error, until one succeeds;
 - where it is not set and prometheus_client is already imported (a registry is in use),
   registers a collector on prometheus_client's default registry once this process has counted
   a patched call: it reads the counts when scraped (no staleness, no cost between scrapes);
@@ -29,7 +33,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import metrics
 from ._log import log
@@ -58,6 +62,8 @@ class Exporter:
         self._value_cls: Any = None
         self._values: Dict[Tuple[str, metrics.Labels], Any] = {}
         self._written: Dict[Tuple[str, metrics.Labels], float] = {}
+        self._files: Set[str] = set()  # the multiprocess files this process has opened
+        self.reopened = 0
         self._collector: Any = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -94,24 +100,56 @@ class Exporter:
             with self._lock:
                 path = os.environ.get(DIR_ENV)
                 if path:
-                    self.directory = path
                     if not os.path.isdir(path):
+                        self.directory = path
                         self.mode = "no directory"  # never created here: vLLM's choice
                         return
+                    self._reopen_if_gone(path)
+                    self.directory = path
                     self.unregister()
                     self._write(path)
-                    self.mode = "files"
+                    self.mode, self.last_error = "files", None
                 elif "prometheus_client" in sys.modules and self._collector is None \
                         and not final and any(self.counts().values()):
                     self._register()
                     self.mode = "registry"
-        except Exception as exc:  # the host process goes on; say it once
-            if self.last_error is None:
+        except Exception as exc:  # the host process goes on; say it once per failing spell
+            if self.mode != "failed":
                 log.warning("vllm-bi100-patch: exporting metrics failed (%s: %s); the shim's "
                             "series may be missing from /metrics", type(exc).__name__, exc)
+            self.mode = "failed"
             self.last_error = f"{type(exc).__name__}: {exc}"
 
     # --- multiprocess files --------------------------------------------------------------------
+
+    def _reopen_if_gone(self, path: str) -> None:
+        """Forget the open files when the directory is another one or one of them is gone
+        (removed, or the directory recreated: an inode number can come back, a file cannot):
+        prometheus_client keeps writing into the maps of deleted files, and the written-cache
+        would never rewrite a value that did not change."""
+        if not self._files:
+            return
+        if path == self.directory and all(os.path.exists(f) for f in self._files):
+            return
+        log.warning("vllm-bi100-patch: %s %s lost this process's metrics files (%s); "
+                    "writing every series again there", DIR_ENV, path,
+                    "it names another directory now" if path != self.directory else
+                    "the directory was removed, recreated or emptied")
+        self._forget_files()
+        self.reopened += 1
+
+    def _forget_files(self) -> None:
+        for obj in self._values.values():
+            mapped = getattr(obj, "_file", None)  # prometheus_client's MmapedDict of the file
+            try:
+                if mapped is not None:
+                    mapped.close()
+            except Exception:  # already closed (one map serves several values)
+                pass
+        self._value_cls = None
+        self._values.clear()
+        self._written.clear()
+        self._files.clear()
 
     def _write(self, path: str) -> None:
         if self._value_cls is None:
@@ -131,6 +169,9 @@ class Exporter:
                         kind, name, sname, tuple(k for k, _ in labels),
                         tuple(v for _, v in labels), text,
                         multiprocess_mode="max" if kind == "gauge" else "")
+                    # prometheus_client's file name for this kind (values.MmapedValue)
+                    prefix = "gauge_max" if kind == "gauge" else kind
+                    self._files.add(os.path.join(path, f"{prefix}_{_identifier()}.db"))
                 obj.set(value)
                 self._written[key] = value
         for key in list(self._written):
@@ -167,6 +208,7 @@ class Exporter:
         self._value_cls = None
         self._values.clear()
         self._written.clear()
+        self._files.clear()
         self.flushes = 0
         if self._thread is not None:
             self.start_thread()
@@ -219,7 +261,7 @@ def start(interval: int, report: Any) -> None:
     global _exporter
     if interval <= 0 or suppressed or not report.applied:
         return
-    from . import __version__
+    from ._version import __version__
 
     info = {"shim_version": __version__, "vllm_version": str(report.vllm_version or ""),
             "family": str(report.family or ""), "rows": ",".join(sorted(report.applied))}
@@ -297,4 +339,4 @@ def state() -> Dict[str, Any]:
     if e is None:
         return {"export": "off" if suppressed else "not started"}
     return {"export": e.mode, "directory": e.directory, "interval_s": e.interval,
-            "flushes": e.flushes, "last_error": e.last_error}
+            "flushes": e.flushes, "reopened": e.reopened, "last_error": e.last_error}

@@ -256,14 +256,12 @@ def timeout_check(pure_paths: Sequence[str], environ: Any = None) -> Check:
             f"({where})")
 
 
-def doctor_checks() -> List[Check]:
+def doctor_checks(applied: Sequence[str]) -> List[Check]:
     """The audit of the ops module vLLM imported in this process, plus the timeout check
-    where the shim patched something that runs in pure PyTorch."""
+    where the shim patched something that runs in pure PyTorch (``applied``: the rows the
+    registry applied in this process)."""
     import sys
 
-    from . import registry
-
-    applied = registry.last_report().applied
     ops = sys.modules.get("vllm._custom_ops")
     checks = audit(ops, applied) if ops is not None else [
         ("info", "vllm._custom_ops", "not imported in this process: not audited")]

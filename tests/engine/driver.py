@@ -160,22 +160,31 @@ class Engine:
         return not self.scheduler.has_unfinished_seqs()
 
     # -- one engine step -------------------------------------------------------------------
-    def step(self) -> None:
-        from vllm.worker.model_runner import ModelInputForGPUBuilder
-
+    def schedule(self):
+        """One call of vLLM's scheduler, counted as a step: (metadata list, outputs)."""
         metas, outputs = self.scheduler.schedule()[:2]
         self.step_no += 1
-        self._move_blocks(outputs)
-        if outputs.preempted:
-            self.events.append(f"step {self.step_no}: {outputs.preempted} preempted")
-        if not metas:
-            return
+        return metas, outputs
+
+    def build(self, metas):
+        """The model input vLLM's V0 builder makes of the scheduled groups' metadata."""
+        from vllm.worker.model_runner import ModelInputForGPUBuilder
+
         builder = ModelInputForGPUBuilder(self.runner, [])
         if hasattr(builder, "prepare"):  # 0.6.5+: one builder per runner, prepared per step
             builder.prepare([])
         for meta in metas:
             builder.add_seq_group(meta)
-        model_input = builder.build()
+        return builder.build()
+
+    def step(self) -> None:
+        metas, outputs = self.schedule()
+        self._move_blocks(outputs)
+        if outputs.preempted:
+            self.events.append(f"step {self.step_no}: {outputs.preempted} preempted")
+        if not metas:
+            return
+        model_input = self.build(metas)
         md = model_input.attn_metadata
         if md is None:
             self._advance(metas, outputs)

@@ -97,8 +97,7 @@ def stream_delta(use_cache: bool):
     for _ in range(20):
         if eng.finished():
             break
-        metas, outputs = eng.scheduler.schedule()[:2]
-        eng.step_no += 1
+        metas, outputs = eng.schedule()
         eng._advance(metas, outputs)
         for out in _outputs([(s.seq_group, use_cache) for s in outputs.scheduled_seq_groups]):
             if out is None:
@@ -169,7 +168,6 @@ def _mrope_steps(eng, rope, request, max_steps=60):
     whether the positions are the true ones, the rotation's error against the rotation at
     the true positions, or what the rotary layer raised (the step is advanced anyway)."""
     import torch
-    from vllm.worker.model_runner import ModelInputForGPUBuilder
 
     g = torch.Generator().manual_seed(5)
     q_tok = torch.randn(1000, HEADS * HEAD_SIZE, generator=g)
@@ -178,14 +176,8 @@ def _mrope_steps(eng, rope, request, max_steps=60):
     for _ in range(max_steps):
         if eng.finished():
             return steps
-        metas, outputs = eng.scheduler.schedule()[:2]
-        eng.step_no += 1
-        builder = ModelInputForGPUBuilder(eng.runner, [])
-        if hasattr(builder, "prepare"):
-            builder.prepare([])
-        for meta in metas:
-            builder.add_seq_group(meta)
-        model_input = builder.build()
+        metas, outputs = eng.schedule()
+        model_input = eng.build(metas)
         tokens, positions = model_input.input_tokens, model_input.input_positions
         step = {"request": request, "step": eng.step_no, "tokens": int(tokens.shape[0]),
                 "positions": list(positions.shape), "query_lens": list(model_input.query_lens),

@@ -107,8 +107,7 @@ def _driver(torch, name, lp, head, full, steps, broadcast_tensor_dict) -> None:
     """Rank 0: the scheduler, the input builder, the broadcast, the logits, the advance."""
     from driver import Engine, _prompt
     from vllm.model_executor.sampling_metadata import SamplingMetadata
-    from vllm.worker.model_runner import (ModelInputForGPUBuilder,
-                                          ModelInputForGPUWithSamplingMetadata)
+    from vllm.worker.model_runner import ModelInputForGPUWithSamplingMetadata
 
     eng = Engine()
     eng.runner._model_input_cls = ModelInputForGPUWithSamplingMetadata  # ModelRunner's
@@ -116,14 +115,8 @@ def _driver(torch, name, lp, head, full, steps, broadcast_tensor_dict) -> None:
     for _ in range(50):
         if eng.finished():
             break
-        metas, outputs = eng.scheduler.schedule()[:2]
-        eng.step_no += 1
-        builder = ModelInputForGPUBuilder(eng.runner, [])
-        if hasattr(builder, "prepare"):
-            builder.prepare([])
-        for meta in metas:
-            builder.add_seq_group(meta)
-        model_input = builder.build()
+        metas, outputs = eng.schedule()
+        model_input = eng.build(metas)
         sampling = SamplingMetadata.prepare(metas, model_input.seq_lens, model_input.query_lens,
                                             "cpu", False, {})
         model_input = dataclasses.replace(model_input, sampling_metadata=sampling,

@@ -15,7 +15,7 @@ Completions must be token-identical to stock; the shim's INFO line must be in th
 logs only; the shim's per-route counters (written by the plugin after every routed call, and
 logged at exit) must show the route taken.  ``/metrics`` is scraped after the requests: vLLM 0.11's
 V1 engine keeps a single-process registry in its API server, so the one-process runs show none of
-the shim's ``vllm_bi100:`` series (README "Metrics"); the ``tp2`` run is given an empty
+the shim's ``vllm_bi100:`` series (docs/metrics-operators.md); the ``tp2`` run is given an empty
 ``PROMETHEUS_MULTIPROC_DIR`` (an operator's choice: vLLM's own multiprocess mode), and there the
 two workers' series appear, added up.
 
@@ -422,7 +422,7 @@ def test_tensor_parallel_workers_each_run_the_shim(servers):
 def test_one_process_server_shows_vllms_series_and_none_of_the_shims(servers):
     """vLLM 0.11's V1 engine, one API server, no PROMETHEUS_MULTIPROC_DIR: /metrics is the API
     server's own registry; the shim counts in the engine-core process: none of its series
-    (what README "Metrics" and doctor say), vLLM's own series as usual."""
+    (what docs/metrics-operators.md and doctor say), vLLM's own series as usual."""
     from vllm_bi100_patch import config, doctor, versions
 
     r = servers("native")

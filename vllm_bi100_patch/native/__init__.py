@@ -7,9 +7,9 @@ Between the patch layer (``patches/paged_attention.py``, which turns vLLM's argu
 - ``probe.py``: what an ops module's kernels are (present or stubbed, calling convention);
 - ``calls.py``: ``DecodeCall`` (vLLM's arguments, checked) and one explicit call function per
   calling convention;
+- ``limits.py``: the routing parameters, V1's length limit and the BI-V100 occupancy rule;
 - ``routes.py``: ``RouteTable`` (one per ops profile and routing): the facts of a call, the
   route rows and kernel rules, the choice, why a kernel cannot take a call, ``describe()``;
-  V1's length limit and the BI-V100 occupancy rule;
 - ``longest.py``: the longest sequence of a call without syncs that matter, and the check that
   ``max_seq_len`` bounds it;
 - ``decoder.py``: ``NativeDecoder`` (one per ops module and routing): the ops object, the route

@@ -19,8 +19,8 @@ Two declarative tables:
   probe and the routing settings), whether it can ever apply and in which words (``band``;
   None: never).
 
-V1's length limit (``v1_limit``) and the BI-V100 occupancy rule (``use_v1``) are decided here
-only.  Facts and sources: ``docs/bi100-limits.md``.
+V1's length limit (``v1_limit``) and the BI-V100 occupancy rule (``use_v1``) are decided in
+``limits.py`` only (re-exported here).  Facts and sources: ``docs/bi100-limits.md``.
 """
 
 from __future__ import annotations
@@ -30,61 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..kernels._common import ceil_div
 from .calls import DecodeCall
+from .limits import (ILUVATAR_V1_MAX_SEQ_LEN, NATIVE_HEAD_SIZES, STOCK_V1_MAX_SEQ_LEN, Routing,
+                     use_v1, v1_limit)
 from .longest import longest, verify_bound
 from .probe import KernelProfile, OpsProfile
 
 __all__ = ["Facts", "ILUVATAR_V1_MAX_SEQ_LEN", "KERNEL_RULES", "NATIVE_HEAD_SIZES", "ROUTES",
            "RouteTable", "Routing", "STOCK_V1_MAX_SEQ_LEN", "use_v1", "v1_limit"]
-
-#: Head sizes vLLM's native paged-attention kernels are instantiated for.
-NATIVE_HEAD_SIZES: Tuple[int, ...] = (64, 80, 96, 112, 120, 128, 192, 256)
-
-#: V1's longest safe ``max_seq_len`` on Iluvatar BI-V100 (field-measured) and stock CUDA.
-ILUVATAR_V1_MAX_SEQ_LEN = 32768
-STOCK_V1_MAX_SEQ_LEN = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """Routing parameters (BI-V100 defaults: 16 SMs x 1 CTA x subscription 5 = 80 CTAs)."""
-
-    fallback_above: Optional[int] = None  # tokens; None = never; 0 = always fallback
-    sm_count: int = 16
-    sm_occupancy: int = 1
-    subscription: int = 5
-    partition_size: int = 512
-    #: Longest max_seq_len V1 may get; None: by machine and build (see ``v1_limit``).
-    v1_max_seq_len: Optional[int] = None
-    #: This is an Iluvatar machine (ixformer, a CoreX torch or an Iluvatar device).
-    iluvatar: bool = False
-
-    @property
-    def max_blocks(self) -> int:
-        """CTAs the device runs at once for attention (``GridEvenShare``'s max grid)."""
-        return self.sm_count * self.sm_occupancy * self.subscription
-
-
-def v1_limit(routing: Routing, build: str) -> int:
-    """The longest ``max_seq_len`` V1 may be given: the configured limit, else Iluvatar's
-    32,768 on an Iluvatar machine or for the vendor's kernels (``OpsProfile.build``), else
-    stock CUDA's 8,192."""
-    if routing.v1_max_seq_len is not None:
-        return routing.v1_max_seq_len
-    if routing.iluvatar or build == "vendor":
-        return ILUVATAR_V1_MAX_SEQ_LEN
-    return STOCK_V1_MAX_SEQ_LEN
-
-
-def use_v1(num_seqs: int, num_heads: int, max_seq_len: int, routing: Routing,
-           limit: int) -> bool:
-    """The V1/V2 choice for the native kernels: V1 when one partition's worth of CTAs covers
-    the sequence (grid of one) or the ``num_seqs * num_heads`` CTAs already fill the device;
-    never above ``limit``, where V1's shared-memory logits do not fit."""
-    if max_seq_len > limit:
-        return False
-    grid = min(ceil_div(max(0, max_seq_len), routing.partition_size), routing.max_blocks)
-    return grid <= 1 or num_seqs * num_heads >= routing.max_blocks
-
 
 def _label(kernel: KernelProfile) -> str:
     return "V1" if kernel.name.endswith("v1") else "V2"
