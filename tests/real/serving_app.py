@@ -224,6 +224,8 @@ CASES = {
     "stream_usage_continuous": {"stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}},
     "stream_n_over_max_num_seqs": {"stream": True, "n": 2},
+    # /v1/completions: the same n/best_of limit (its request model is 0.6.3's as it is)
+    "completion_n_over_max_num_seqs": {"completions": True, "n": 2},
 }
 
 
@@ -235,7 +237,11 @@ def run_case(client, engine, name, kwargs):
     before = len(engine.seen)
     out = {"case": name}
     try:
-        if kwargs.get("stream"):
+        if kwargs.pop("completions", False):
+            resp = client.completions.create(model="tiny", prompt="hi", **kwargs)
+            out["status"] = 200
+            out["text"] = resp.choices[0].text
+        elif kwargs.get("stream"):
             chunks = list(client.chat.completions.create(model="tiny", messages=messages,
                                                          **kwargs))
             out["status"] = 200

@@ -137,6 +137,7 @@ def test_every_refusal_is_a_400_that_names_its_cause(runs):
                                "most max_num_seqs=1",
         "best_of_over_max_num_seqs": "best_of=2 asks for 2 parallel sequences",
         "stream_n_over_max_num_seqs": "max_num_seqs=1",
+        "completion_n_over_max_num_seqs": "n=2 asks for 2 parallel sequences",
     }
     for case, text in expect.items():
         assert shim[case]["status"] == 400, shim[case]
@@ -152,6 +153,7 @@ def test_every_refusal_is_a_400_that_names_its_cause(runs):
     # Stock queues what its scheduler can never run (and answers a stream with 200).
     assert stock["n_over_max_num_seqs"]["queued"][0]["n"] == 2
     assert stock["stream_n_over_max_num_seqs"]["status"] == 200
+    assert stock["completion_n_over_max_num_seqs"]["queued"][0]["n"] == 2
 
 
 def test_the_scheduler_never_blocks_its_queue(runs):
