@@ -9,7 +9,8 @@ request, the step it was scheduled at, or whether the scheduler returned it as i
 the sequences' final status.  Then ``LLMEngine.add_request`` with the same parameters, on an
 engine object that has only its ``scheduler_config`` (what the shim's check reads): refused
 before anything is queued with the shim, and with the row off it goes on into vLLM's own
-method (which then fails on the attributes this stand-in lacks).
+method (which then fails on the attributes this stand-in lacks).  And the multiprocessing front
+end's engine client: the limit its ``__init__`` is given is what the shim's check reads.
 """
 
 from __future__ import annotations
@@ -102,11 +103,31 @@ def add_request(name, max_num_seqs, n, best_of):
                                                                      params)))
 
 
+def client_limit(max_num_seqs):
+    """The multiprocessing front end's engine client built from an engine configuration (only
+    its scheduler configuration is real: vLLM's ``__init__`` then fails on the rest, after the
+    shim read the limit)."""
+    import types
+
+    from vllm.config import SchedulerConfig
+    from vllm.engine.multiprocessing.client import MQLLMEngineClient
+
+    config = types.SimpleNamespace(scheduler_config=SchedulerConfig(512, max_num_seqs, 512),
+                                   model_config=None, decoding_config=None)
+    client = object.__new__(MQLLMEngineClient)
+    error = error_of(lambda: client.__init__("ipc:///tmp/bi100-no-engine", config))
+    from vllm_bi100_patch.patches import seq_limit
+
+    report(scenario="client_limit", recorded=seq_limit.LIMIT.get("max_num_seqs"), error=error)
+    seq_limit.LIMIT.clear()
+
+
 def main():
     for name, (max_num_seqs, chunked, n, best_of) in SCENARIOS.items():
         run(name, max_num_seqs, chunked, n, best_of)
     add_request("add_request_n2_max1", 1, 2, None)
     add_request("add_request_best_of2_max1", 1, 1, 2)
+    client_limit(7)
 
 
 if __name__ == "__main__":

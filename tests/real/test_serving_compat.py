@@ -180,6 +180,13 @@ def test_add_request_refuses_before_queueing(runs):
     assert off["add_request_n2_max1"]["error"].startswith("AttributeError"), off
 
 
+def test_the_front_end_reads_the_limit_of_its_engine_client(runs):
+    assert runs["shim"]["client_limit"]["recorded"] == 7
+    assert runs["stock"]["client_limit"]["recorded"] is None
+    for run in ("shim", "stock"):  # vLLM's own __init__ ran on, with the shim too
+        assert runs[run]["client_limit"]["error"].startswith("AttributeError"), runs[run]
+
+
 def test_doctor_has_a_line_per_row(runs):
     doctor = runs["shim"]["status"]["doctor"]
     for attr in ("_schedule_prefills", "add_request", "__init__", "_check_model",
