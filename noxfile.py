@@ -43,6 +43,9 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"          # the CPU build pip finds on this machine's disk
 TEST_DEPS = ("pytest>=7", "hypothesis>=6", "wrapt>=1.14", "packaging>=20")
+#: The OpenAI client tests/real/test_serving_compat.py drives 0.6.3's server app with: the
+#: release vLLM 0.6.3.post1's own resolution picks (its server imports the same package).
+OPENAI = "openai==1.52.0"
 
 
 def _shim_wheel(session: nox.Session) -> str:
@@ -93,7 +96,8 @@ def unit(session: nox.Session) -> None:
 def _real(version: str):
     def session_fn(session: nox.Session) -> None:
         wheel = _shim_wheel(session)
-        vllm_env.install(version, session.virtualenv.location, [wheel, *TEST_DEPS])
+        extra = (OPENAI,) if version.startswith("0.6.3") else ()
+        vllm_env.install(version, session.virtualenv.location, [wheel, *TEST_DEPS, *extra])
         _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
                 env={"BI100_EXPECT_VLLM": version})
         if version in ENGINE:
@@ -118,7 +122,7 @@ def corex(session: nox.Session) -> None:
     the shim installed from its wheel: tests/corex, then tests/real, tests/engine and tests/ray
     on the same venv."""
     wheel = _shim_wheel(session)
-    vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS])
+    vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS, OPENAI])
     session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
     _pytest(session, "tests/corex", "-m", "corex", "-v", *session.posargs)
     _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,

@@ -22,7 +22,12 @@ def test_every_row_is_well_formed():
                                       "vllm.attention.backends.xformers",
                                       "vllm.attention.backends.utils",
                                       "vllm.model_executor.layers.logits_processor",
-                                      "vllm.sequence", "vllm.worker.model_runner")
+                                      "vllm.sequence", "vllm.worker.model_runner",
+                                      # the serving rows (docs/serving-compat.md)
+                                      "vllm.core.scheduler", "vllm.engine.llm_engine",
+                                      "vllm.engine.multiprocessing.client",
+                                      "vllm.entrypoints.openai.serving_engine",
+                                      "vllm.entrypoints.openai.protocol")
     assert [p.name for p in table.guards()] == ["import_guard"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row

@@ -74,6 +74,9 @@ _lock = threading.RLock()
 _originals: Dict[Tuple[type, str], Any] = {}
 #: (class, attribute) -> the descriptor we installed (to recognise our own patch).
 _installed: Dict[Tuple[type, str], Any] = {}
+#: (module name, class name) -> (module, the original class, the class the shim put there):
+#: the rows that replace a class (``table.REPLACE_CLASS``).
+_classes: Dict[Tuple[str, str], Tuple[types.ModuleType, type, type]] = {}
 _last_report = Report()
 #: module name -> the report of its last apply (``_last_report`` is their merge).
 _module_reports: Dict[str, Report] = {}
@@ -112,7 +115,15 @@ def is_ours(descriptor: Any) -> bool:
 
 def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[str]:
     """None when the code matches the family, else a sentence saying what differs. Where the
-    shim already patched the method, the original it saved is checked."""
+    shim already patched the method (or replaced the class), the original it saved is
+    checked."""
+    if spec.replaces_class:
+        with _lock:
+            for _, original, new in _classes.values():
+                if new is cls:
+                    cls = original
+                    break
+        return check_descriptor(cls, spec, family)
     owner, desc = find_descriptor(cls, spec.attr)
     if desc is None:
         return f"{spec.owner}.{spec.attr} is missing"
@@ -224,8 +235,14 @@ def _checked(module: types.ModuleType, family: versions.Family, settings: config
 def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[PatchSpec],
                report: Report, settings: config.Settings) -> None:
     done: List[Tuple[type, str]] = []
+    replaced: List[Tuple[str, str]] = []
     try:
         for spec in specs:
+            if spec.replaces_class:
+                if _replace_class(module, family, spec, settings):
+                    replaced.append((module.__name__, spec.owner))
+                report.applied.append(spec.name)
+                continue
             owner, desc = find_descriptor(vars(module)[spec.owner], spec.attr)
             assert owner is not None  # check_code passed
             key = (owner, spec.attr)
@@ -250,7 +267,33 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
     except BaseException:
         for key in reversed(done):
             _restore(key)
+        for ckey in reversed(replaced):
+            _restore_class(ckey)
         raise
+
+
+def _replace_class(module: types.ModuleType, family: versions.Family, spec: PatchSpec,
+                   settings: config.Settings) -> bool:
+    """Put the row's subclass of ``module``'s class in its place; False when the shim's own
+    class is there already (never replaced twice)."""
+    key = (module.__name__, spec.owner)
+    current = vars(module)[spec.owner]
+    if key in _classes and _classes[key][2] is current:
+        return False
+    new = spec.factory()(family, current, module, settings)
+    setattr(module, spec.owner, new)
+    _classes[key] = (module, current, new)  # type: ignore[assignment]
+    return True
+
+
+def _restore_class(key: Tuple[str, str]) -> bool:
+    module, original, new = _classes.pop(key)
+    if vars(module).get(key[1]) is not new:
+        log.warning("vllm-bi100-patch: %s.%s was replaced by someone else after the shim "
+                    "replaced it; left as it is", key[0], key[1])
+        return False
+    setattr(module, key[1], original)
+    return True
 
 
 def _restore(key: Tuple[type, str]) -> bool:
@@ -273,6 +316,9 @@ def revert_all() -> List[str]:
         for key in list(_installed):
             if _restore(key):
                 restored.append(key[1])
+        for ckey in list(_classes):
+            if _restore_class(ckey):
+                restored.append(ckey[1])
         for rep in _module_reports.values():
             rep.applied.clear()
         _last_report.applied.clear()
@@ -315,5 +361,6 @@ def patched_attributes() -> List[str]:
     """The patched attributes, each once (after ``importlib.reload`` of a target module the
     wrappers of the old and the new class are both installed, so revert restores both)."""
     with _lock:
-        return list(dict.fromkeys(attr for (_, attr) in _installed))
+        return list(dict.fromkeys([attr for (_, attr) in _installed]
+                                  + [name for (_, name) in _classes]))
 

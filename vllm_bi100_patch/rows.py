@@ -51,6 +51,11 @@ class PatchSpec:
         raise ValueError(f"table row {self.name}: unknown params check {self.row.params!r}")
 
     @property
+    def replaces_class(self) -> bool:
+        """The row replaces its module's class (``table.REPLACE_CLASS``)."""
+        return self.row.kind == table.REPLACE_CLASS
+
+    @property
     def instance_method(self) -> bool:
         """A plain function of the class (bound to the instance), not a staticmethod."""
         return self.row.kind == table.WRAP_INSTANCE
@@ -80,7 +85,11 @@ SPECS: Tuple[PatchSpec, ...] = tuple(PatchSpec(row) for row in table.methods())
 def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Optional[str]:
     where = f"{spec.owner}.{spec.attr}"
     func: Callable[..., Any]
-    if spec.instance_method:
+    if spec.replaces_class:
+        if not isinstance(desc, type):
+            return f"{spec.owner} is a {type(desc).__name__}, not a class"
+        func = desc
+    elif spec.instance_method:
         if not isinstance(desc, types.FunctionType):
             return f"{where} is a {type(desc).__name__}, not a plain method"
         func = desc

@@ -14,16 +14,18 @@ Row fields:
 - ``name``: the patch's name in ``VLLM_BI100_PATCH_DISABLE``, logs and ``status()``.
 - ``kind``: ``"wrap_method"`` (a staticmethod replaced by a wrapt wrapper, exact revert),
   ``"wrap_instance_method"`` (a plain function of the class replaced by a wrapt wrapper that
-  binds like it, exact revert) or ``"guard_import"`` (a ``sys.meta_path`` finder serves a
-  refusing substitute module).
-- ``target``: ``"module:Class.attr"`` for a method, ``"module"`` for an import guard (wrapt's
-  "module:attribute" style).
+  binds like it, exact revert), ``"replace_class"`` (the module's class replaced by a subclass
+  the factory builds, for code that runs inside the class's construction, such as a pydantic
+  model's validation; revert puts the original back in the module) or ``"guard_import"`` (a
+  ``sys.meta_path`` finder serves a refusing substitute module).
+- ``target``: ``"module:Class.attr"`` for a method, ``"module:Class"`` for a class replaced,
+  ``"module"`` for an import guard (wrapt's "module:attribute" style).
 - ``params``: the code check, for a method: ``"family:<Family attribute>"`` (the parameter
   names depend on the vLLM signature family), ``"names:a,b,c"`` (the same in every family) or
   ``"code:module:function"`` (``function(original)`` returns None or what differs: for code
   whose shape, not only its parameters, the patch relies on).
 - ``factory``: ``"module:function"`` building the wrapper (``factory(family, original, module,
-  settings)``), or installing the guard.
+  settings)``; for a class replaced, the subclass), or installing the guard.
 - ``when``: ``None`` (always applied) or ``"module:function"``; ``function(target_module,
   settings)`` returns None when the patch is needed in this build under the configuration
   (``config.Settings``), else why not (the patch is then skipped, which is not a failure).
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 WRAP_METHOD = "wrap_method"
 WRAP_INSTANCE = "wrap_instance_method"
 GUARD_IMPORT = "guard_import"
+REPLACE_CLASS = "replace_class"
 
 
 class Patch:
@@ -65,13 +68,13 @@ class Patch:
 
     @property
     def owner(self) -> str:
-        """``Class`` of ``module:Class.attr`` (methods only)."""
+        """``Class`` of ``module:Class.attr`` or ``module:Class`` (methods, classes)."""
         return self.target.split(":", 1)[1].rsplit(".", 1)[0]
 
     @property
     def attr(self) -> str:
-        """``attr`` of ``module:Class.attr`` (methods only)."""
-        return self.target.rsplit(".", 1)[1]
+        """``attr`` of ``module:Class.attr`` (methods); ``Class`` of ``module:Class``."""
+        return self.target.split(":", 1)[1].rsplit(".", 1)[-1]
 
     def __repr__(self) -> str:
         return f"Patch({self.name!r}, {self.kind!r}, {self.target!r})"
@@ -83,6 +86,19 @@ BACKEND_UTILS = "vllm.attention.backends.utils"
 LOGITS = "vllm.model_executor.layers.logits_processor"
 SEQUENCE = "vllm.sequence"
 MODEL_RUNNER = "vllm.worker.model_runner"
+SCHEDULER = "vllm.core.scheduler"
+LLM_ENGINE = "vllm.engine.llm_engine"
+MQ_CLIENT = "vllm.engine.multiprocessing.client"
+PROTOCOL = "vllm.entrypoints.openai.protocol"
+SERVING = "vllm.entrypoints.openai.serving_engine"
+_SEQ_LIMIT_VLLM = ("0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being the same code; "
+                   "driven through vLLM's `Scheduler` and 0.6.3's OpenAI server app on both); "
+                   "not applied from 0.6.4 (parallel sampling as groups of one)")
+_SEQ_LIMIT_UPSTREAM = ("vLLM pull request #9302 (parallel sampling as separate sequence groups of "
+                       "one: `ParallelSampleSequenceGroup`), in 0.6.4")
+_SEQ_LIMIT_REMOVAL = ("when the oldest vLLM the shim supports is 0.6.4, or Iluvatar's build "
+                      "carries `ParallelSampleSequenceGroup` (the row then reports itself not "
+                      "needed)")
 _ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
 
 PATCHES: Tuple[Patch, ...] = (
@@ -303,6 +319,111 @@ PATCHES: Tuple[Patch, ...] = (
                  "prefill chunk\"), in 0.6.5",
         removal="when the oldest vLLM the shim supports is 0.6.5, or Iluvatar's build carries "
                 "the fix (the row then reports itself not needed)"),
+    Patch(
+        "unschedulable_group", WRAP_INSTANCE, SCHEDULER + ":Scheduler._schedule_prefills",
+        "vllm_bi100_patch.patches.seq_limit:make_scheduler_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit:check_scheduler",
+        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
+        counters=("unschedulable_group",),
+        why="a request asking for more parallel sequences (`n`, or `best_of`) than "
+            "`--max-num-seqs` can never be scheduled, and `_schedule_prefills` `break`s on "
+            "the head of the waiting queue when it does not fit the budget: that request and "
+            "every request behind it wait forever (one client stops the server; `n=2` under "
+            "`--max-num-seqs 1`, `n=257` under the default 256), with chunked prefill on or off",
+        how="before the original runs, a head of the waiting queue whose "
+            "`get_max_num_running_seqs()` exceeds `max_num_seqs` leaves the queue as ignored "
+            "(`FINISHED_IGNORED`, returned in `ignored_seq_groups`, one WARNING naming the "
+            "request, n and max_num_seqs), as vLLM does for a prompt over the limit; the "
+            "requests behind it are scheduled. The other `break`s of the loop (allocation "
+            "`LATER`, an exhausted budget, the delay) pass once running requests finish; "
+            "only where the method has the code shape it was checked against",
+        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
+    Patch(
+        "seq_limit_engine", WRAP_INSTANCE, LLM_ENGINE + ":LLMEngine.add_request",
+        "vllm_bi100_patch.patches.seq_limit:make_add_request_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit:check_add_request",
+        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
+        counters=("seq_limit_engine",),
+        why="`LLMEngine.add_request` queues a request whose `n`/`best_of` exceeds "
+            "`max_num_seqs` although the scheduler can never run it",
+        how="refuses it before it is queued: `ValueError` naming the request, n (and "
+            "best_of) and max_num_seqs (vLLM's front end turns a `ValueError` into a 400); "
+            "only where the method has the code shape it was checked against",
+        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
+    Patch(
+        "seq_limit_client", WRAP_INSTANCE, MQ_CLIENT + ":MQLLMEngineClient.__init__",
+        "vllm_bi100_patch.patches.seq_limit:make_client_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit:check_client",
+        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
+        why="the OpenAI server's front end (a separate process from the engine by default) "
+            "does not know `max_num_seqs`, so it cannot refuse such a request before it "
+            "answers a stream with 200",
+        how="records the engine configuration's `scheduler_config.max_num_seqs` when the "
+            "front end builds its engine client (`seq_limit_openai` reads it); nothing else "
+            "changes",
+        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
+    Patch(
+        "seq_limit_openai", WRAP_INSTANCE, SERVING + ":OpenAIServing._check_model",
+        "vllm_bi100_patch.patches.seq_limit:make_check_model_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit:check_check_model",
+        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
+        counters=("seq_limit_openai",),
+        why="the OpenAI server accepts a chat or completion request whose `n`/`best_of` "
+            "exceeds `max_num_seqs` (a stream is answered 200 before the engine refuses it)",
+        how="after the model check, such a request gets a 400 naming n (or best_of) and "
+            "max_num_seqs before anything is queued; the limit is the in-process engine's "
+            "(`--disable-frontend-multiprocessing`) or the one `seq_limit_client` recorded",
+        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
+    Patch(
+        "chat_request_compat", REPLACE_CLASS, PROTOCOL + ":ChatCompletionRequest",
+        "vllm_bi100_patch.patches.chat_compat:make_request_class",
+        params="code:vllm_bi100_patch.patches.chat_compat:check",
+        when="vllm_bi100_patch.patches.chat_compat:compat_needed",
+        counters=("chat_request_compat", "chat_fields_ignored"),
+        why="vLLM 0.6.3's chat request (`extra=\"forbid\"`, CoreX 3.2.3's is the same file) "
+            "refuses what today's OpenAI clients send (`max_completion_tokens`, `store`, "
+            "`metadata`, `tools[].function.strict`, an echoed `reasoning_content` in a "
+            "message, `tool_choice: \"none\"`, object-form tool-call arguments, "
+            "`top_logprobs: 0`), ignores `response_format: json_schema` (output "
+            "unconstrained), streams usage on every chunk, and gives the `developer` role to "
+            "the chat template as is",
+        how="a subclass with one pydantic wrap validator rewrites the request body before "
+            "0.6.3's own validation, lossless mappings only (docs/serving-compat.md): "
+            "`max_completion_tokens` -> `max_tokens` (wins, #9837); harmless fields (`store`, "
+            "`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`, "
+            "`prediction`, `modalities: [\"text\"]`) and unknown message keys dropped, each "
+            "named once in a WARNING (#10463); `strict: false` dropped, `strict: true` kept "
+            "where `tool_choice` names the tool (0.6.3's guided decoding enforces its "
+            "parameters) else a 400 saying so; `tool_choice: \"none\"` drops the tools "
+            "(#10000), `\"required\"` a 400 naming it; object arguments -> their JSON text "
+            "(invalid JSON text a 400 naming where); `json_schema` -> `guided_json` (#9530); "
+            "`continuous_usage_stats` false unless asked (0.6.4); `developer` -> `system`; "
+            "`top_logprobs: 0` without `logprobs` dropped; `messages: []` and "
+            "`reasoning_effort`, `verbosity`, `audio`, other modalities a 400 naming them; "
+            "every other unknown field stays refused by name. Revert puts the original class "
+            "back in the module (a server app built meanwhile keeps the subclass)",
+        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being byte-identical; "
+             "proven with the `openai` client against 0.6.3's own server app on both); not "
+             "applied from 0.6.4 (`max_completion_tokens` is a field there)",
+        upstream="vLLM pull requests #9837, #10000, #9530 (0.6.4), #10463 (0.6.5); the "
+                 "`developer` role and object arguments: none",
+        removal="when the oldest vLLM the shim supports is 0.6.5"),
+    Patch(
+        "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
+        "vllm_bi100_patch.patches.chat_compat:make_error_wrapper",
+        params="code:vllm_bi100_patch.patches.chat_compat:check_error",
+        when="vllm_bi100_patch.patches.chat_compat:compat_needed",
+        counters=("error_message_cause",),
+        why="the front end answers `str(exception)` as a 400's message: an exception without "
+            "one (a remote image that timed out: `TimeoutError()`) gives a 400 with an empty "
+            "message",
+        how="an empty message is replaced by the exception being handled, named by its type "
+            "(`TimeoutError (raised without a message, ...)`), or one that says the server log "
+            "has it; other messages unchanged",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3); not applied where "
+             "the chat row is not",
+        upstream="none (later releases still answer `str(e)`)",
+        removal="with `chat_request_compat`"),
 )
 
 
@@ -312,8 +433,9 @@ def names() -> Tuple[str, ...]:
 
 
 def methods() -> Tuple[Patch, ...]:
-    """The rows that wrap a method (static or plain)."""
-    return tuple(p for p in PATCHES if p.kind in (WRAP_METHOD, WRAP_INSTANCE))
+    """The rows patched when their module is imported: a method wrapped (static or plain), or
+    a class replaced."""
+    return tuple(p for p in PATCHES if p.kind in (WRAP_METHOD, WRAP_INSTANCE, REPLACE_CLASS))
 
 
 def guards() -> Tuple[Patch, ...]:
@@ -349,8 +471,8 @@ def catalogue() -> str:
     rows = ["| patch | target | why | how | vLLM | upstream | removal |",
             "|---|---|---|---|---|---|---|"]
     for p in PATCHES:
-        kind = {GUARD_IMPORT: "import guard", WRAP_INSTANCE: "instance method"}.get(p.kind,
-                                                                                  "method")
+        kind = {GUARD_IMPORT: "import guard", WRAP_INSTANCE: "instance method",
+                REPLACE_CLASS: "class"}.get(p.kind, "method")
         rows.append(f"| `{p.name}` ({kind}) | `{p.target}` | {p.why} | {p.how} | {p.vllm} | "
                     f"{p.upstream} | {p.removal} |")
     return "\n".join(rows)

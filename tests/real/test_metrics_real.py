@@ -71,16 +71,26 @@ def test_the_series_add_up_over_the_two_processes(shim):
         assert _sum(fams, "vllm_bi100:decode_calls", route="fallback") == 12
         assert _sum(fams, "vllm_bi100:decode_route_reasons", reason="no_native_ops") == 12
     info = _samples(fams, "vllm_bi100:info")  # one per configuration of the patching processes
-    assert info and all(s[2] == 1.0 and s[1]["vllm_version"] == INSTALLED
-                        and s[1]["family"] == "v0.5.5" for s in info)
-    decoding = [s for s in info if "decode" in s[1]["rows"].split(",")]
+    live = [s for s in info if s[2] == 1.0]
+    assert live and all(s[1]["vllm_version"] == INSTALLED and s[1]["family"] == "v0.5.5"
+                        for s in live)
+    for s in info:  # a process's earlier configuration (its rows before a later module's): 0
+        assert s in live or (s[2] == 0.0 and any(
+            set(s[1]["rows"].split(",")) < set(x[1]["rows"].split(",")) for x in live)), info
+    decoding = [s for s in live if "decode" in s[1]["rows"].split(",")]
     assert len(decoding) == 1  # the engine's and the worker's, added up
-    if "corex" not in INSTALLED:  # the front end (vllm.sequence: no row applies there) none
-        assert len(info) == 1
+    # The front end: the serving rows (docs/serving-compat.md), and stream_delta on CoreX.
+    front = [s for s in live if s not in decoding]
+    assert len(front) <= 1 and all(set(s[1]["rows"].split(",")) <= SERVING for s in front), info
     assert all(fams[n]["type"] == ("gauge" if n.endswith(":info") else "histogram"
                                    if n.endswith("max_seq_len") else "counter")
                for n in fams if n.startswith("vllm_bi100:"))
     assert any(f.startswith("counter_vllm-bi100-") for f in shim["files"])
+
+
+#: The rows a front end (API server process) applies.
+SERVING = {"chat_request_compat", "error_message_cause", "seq_limit_client", "seq_limit_openai",
+           "seq_limit_engine", "unschedulable_group", "stream_delta"}
 
 
 def test_vllms_own_series_are_unchanged_and_the_kill_switch_shows_none(shim, stock):

@@ -57,6 +57,12 @@ def shape_check(func: Callable[..., Any], where: str, params: Sequence[str],
     shape = fingerprint(func)
     if shape is None:
         return f"the source of {where} cannot be read"
+    return unknown_shape(where, shape, known)
+
+
+def unknown_shape(where: str, shape: str, known: Dict[str, str]) -> Optional[str]:
+    """None when ``shape`` is one of the ``known`` code shapes, else the code check's
+    sentence naming it and the known ones."""
     if shape not in known:
         return (f"{where} has a code shape this fix was not checked against (fingerprint "
                 f"{shape}; known: " + ", ".join(f"{k} = {v}" for k, v in known.items()) + ")")

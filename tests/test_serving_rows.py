@@ -1,0 +1,154 @@
+"""The serving rows without vLLM (docs/serving-compat.md): the request body's mappings
+(``chat_compat.rewrite``), the n/best_of limit (``seq_limit.too_many``) and the table's
+``replace_class`` kind through the registry.  Against vLLM 0.6.3's own server app, scheduler
+and the ``openai`` client: tests/real/test_serving_compat.py."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+
+from vllm_bi100_patch import config, registry, rows, table
+from vllm_bi100_patch.patches import chat_compat, seq_limit
+
+ON = config.load({config.MODE: "1"})
+FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
+                    "top_logprobs", "response_format", "stream", "stream_options",
+                    "guided_json", "n", "best_of", "user"})
+KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
+                  "refusal", "audio"})
+USER = {"role": "user", "content": "hi"}
+
+
+def rewrite(**body):
+    return chat_compat.rewrite(dict({"model": "m", "messages": [dict(USER)]}, **body), FIELDS,
+                               KEYS)
+
+
+def refused(**body):
+    with pytest.raises(chat_compat.RequestRefused) as err:
+        rewrite(**body)
+    assert isinstance(err.value, ValueError)  # pydantic turns it into a 400 naming it
+    return str(err.value)
+
+
+def test_max_completion_tokens_is_max_tokens_and_wins():
+    assert rewrite(max_completion_tokens=5)["max_tokens"] == 5
+    both = rewrite(max_completion_tokens=5, max_tokens=9)
+    assert both["max_tokens"] == 5 and "max_completion_tokens" not in both
+    assert "max_tokens" not in rewrite(max_completion_tokens=None)
+    # a build whose model has the field keeps it as it is
+    kept = chat_compat.rewrite({"messages": [USER], "max_completion_tokens": 5},
+                               FIELDS | {"max_completion_tokens"}, KEYS)
+    assert kept == {"messages": [USER], "max_completion_tokens": 5}
+
+
+def test_harmless_fields_are_dropped_and_the_rest_stays():
+    body = rewrite(store=True, metadata={"a": "b"}, service_tier="auto", prompt_cache_key="k",
+                   safety_identifier="u", prediction={"type": "content"}, modalities=["text"],
+                   user="u2", frobnicate=1)
+    assert body == {"model": "m", "messages": [USER], "user": "u2", "frobnicate": 1}
+
+
+@pytest.mark.parametrize("field, value", [("reasoning_effort", "low"), ("verbosity", "low"),
+                                          ("audio", {"voice": "x"}),
+                                          ("modalities", ["text", "audio"])])
+def test_fields_that_change_the_answer_are_refused_by_name(field, value):
+    assert f"`{field}`" in refused(**{field: value})
+    if field != "modalities":
+        assert field not in rewrite(**{field: None})  # null asks for the default
+
+
+def test_messages():
+    assert "`messages` is empty" in refused(messages=[])
+    body = rewrite(messages=[{"role": "developer", "content": "x", "reasoning_content": "r"},
+                             {"role": "assistant", "content": None, "tool_calls": [
+                                 {"id": "1", "type": "function",
+                                  "function": {"name": "f", "arguments": {"a": [1, "é"]}}}]}])
+    assert body["messages"][0] == {"role": "system", "content": "x"}
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"a": [1, "é"]}'
+    bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]
+    assert refused(messages=[USER] + bad).startswith(
+        "messages[1].tool_calls[0].function.arguments is not valid JSON")
+
+
+def _tool(**extra):
+    return {"type": "function", "function": dict({"name": "f", "parameters": {}}, **extra)}
+
+
+def test_tools_and_tool_choice():
+    none = rewrite(tools=[_tool()], tool_choice="none")
+    assert "tools" not in none and "tool_choice" not in none  # vLLM 0.6.4
+    assert '"required"' in refused(tools=[_tool()], tool_choice="required")
+    named = {"type": "function", "function": {"name": "f"}}
+    assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [_tool()]
+    assert rewrite(tools=[_tool(strict=False)])["tools"] == [_tool()]
+    assert "tools[0].function.strict is true" in refused(tools=[_tool(strict=True)],
+                                                         tool_choice="auto")
+
+
+def test_logprobs_usage_and_json_schema():
+    assert "top_logprobs" not in rewrite(top_logprobs=0)
+    assert rewrite(top_logprobs=0, logprobs=True)["top_logprobs"] == 0
+    assert rewrite(top_logprobs=2)["top_logprobs"] == 2  # 0.6.3 then refuses it, naming logprobs
+    assert rewrite(stream=True, stream_options={"include_usage": True})["stream_options"] == {
+        "include_usage": True, "continuous_usage_stats": False}
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    assert rewrite(stream=True, stream_options=dict(asked))["stream_options"] == asked
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert rewrite(response_format=fmt)["guided_json"] == schema
+    assert "two different schemas" in refused(response_format=fmt, guided_json={"type": "array"})
+    assert "schema` is missing" in refused(response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x"}})
+
+
+def test_the_limit_names_n_best_of_and_max_num_seqs():
+    assert seq_limit.too_many(2, None, 2) is None
+    assert seq_limit.too_many(2, None, None) is None  # limit unknown: the engine refuses
+    assert seq_limit.too_many(4, None, 1, use_beam_search=True) is None
+    assert seq_limit.too_many(2, None, 1).startswith(
+        "n=2 asks for 2 parallel sequences, but this server runs at most max_num_seqs=1")
+    assert seq_limit.too_many(1, 3, 2).startswith("n=1 and best_of=3 asks for 3 parallel")
+
+
+def test_a_class_row_replaces_checks_and_reverts(paged_attn_module, monkeypatch):
+    """The ``replace_class`` kind: the module's class replaced by the factory's subclass,
+    never twice, disabled by name, and the original put back by revert."""
+    paged_attn_module("0.6.3.post1")  # an installed vLLM version for the decision
+    module = types.ModuleType("bi100_test_models")
+
+    class Model:
+        value = 1
+
+    module.Model = Model
+    factories = types.ModuleType("bi100_test_class_factories")
+
+    def factory(family, original, mod, settings):
+        return type("Model", (original,), {"value": 2})
+
+    factories.factory = factory
+    factories.check = lambda cls: None if cls.value == 1 else f"value {cls.value}"
+    monkeypatch.setitem(importlib.sys.modules, "bi100_test_models", module)
+    monkeypatch.setitem(importlib.sys.modules, "bi100_test_class_factories", factories)
+    row = table.Patch("model_compat", table.REPLACE_CLASS, "bi100_test_models:Model",
+                      "bi100_test_class_factories:factory",
+                      params="code:bi100_test_class_factories:check", why="w", how="h",
+                      vllm="v", upstream="u", removal="r")
+    monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
+    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
+    assert row.owner == row.attr == "Model" and "bi100_test_models" in table.hooked_modules()
+    report = registry.apply_to(module, ON)
+    assert report.reason is None and report.applied == ["model_compat"], report
+    new = module.Model
+    assert new is not Model and issubclass(new, Model) and new.value == 2
+    assert registry.apply_to(module, ON).applied == ["model_compat"] and module.Model is new
+    assert "Model" in registry.patched_attributes()
+    assert "| `model_compat` (class) |" in table.catalogue()
+    registry.revert_all()
+    assert module.Model is Model
+    off = config.load({config.MODE: "1", config.DISABLE: "model_compat"})
+    assert registry.apply_to(module, off).skipped["model_compat"].startswith("disabled")
+    assert module.Model is Model
