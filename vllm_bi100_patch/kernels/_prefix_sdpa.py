@@ -9,10 +9,10 @@ cache is fp8; zeros past the sequence's end).  Queries run in absolute tiles of
 its rows padded with zeros where the call has no query, its keys ``[lo, tile end)`` with
 ``lo`` 0 (or the window's start for the tile's first position) and a boolean
 causal/sliding-window mask.  So every call that contains a position gives the flash kernel
-the same shapes for it (its blocking depends on them) and the same operands: the position's
-output row is the same however the prompt was sliced (the query tile is a view of the
-caller's rows or a padded copy, the mask a column slice: the same numbers, and the tests
-check that the verified torch gives the same rows).  Only the first ``context`` cached slots
+the same shapes, strides and buffer alignment for it (its blocking depends on them) and the
+same operands: the position's output row is the same however the prompt was sliced (the
+query tile is always a copy into one zero-padded buffer, the mask a column slice of the
+same numbers; the keys and values a prefix of one buffer, laid out alike).  Only the first ``context`` cached slots
 are copied: nothing past a sequence's end is read into the buffer.
 """
 
@@ -69,16 +69,14 @@ def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> 
     for t in range(t0, t1):
         p0 = t * qt
         r0, r1 = max(p0, ctx) - ctx, min(p0 + qt, ctx + rows) - ctx  # the call's rows
-        if r1 - r0 == qt:
-            q = query[start + r0:start + r1].transpose(0, 1).unsqueeze(0)
-        else:  # zeros for the positions this call has no query for
-            if pad is None:
-                pad = torch.zeros((1, heads, qt, d), dtype=dtype, device=query.device)
-            else:
-                pad.zero_()
-            q = pad
-            q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(
-                query[start + r0:start + r1].transpose(0, 1))
+        # Always the same buffer (strides, alignment), zeros for the positions this call
+        # has no query for.
+        if pad is None:
+            pad = torch.zeros((1, heads, qt, d), dtype=dtype, device=query.device)
+        elif r1 - r0 < qt:
+            pad.zero_()
+        q = pad
+        q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(query[start + r0:start + r1].transpose(0, 1))
         lo = 0 if window is None else max(0, p0 - window + 1)
         if window is None:
             assert full is not None
