@@ -150,5 +150,9 @@ def dense_rows(p: Dict[str, torch.Tensor], *, device: str = "cpu",
 
 
 def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (values; no NaN anywhere)."""
-    return a.shape == b.shape and bool(torch.isfinite(a).all()) and torch.equal(a, b)
+    """Bit for bit, compared as integers (so the sign of zero counts: ``torch.equal`` holds
+    -0.0 == +0.0), no NaN anywhere."""
+    if a.shape != b.shape or a.dtype != b.dtype or not bool(torch.isfinite(a).all()):
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))

@@ -33,7 +33,7 @@ per-row decision, so it does not depend on the slicing either.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,6 +43,10 @@ from ._prefix_plan import PrefixInputs, SeqSpan, Tiling, tiling, value_columns
 from ._prefix_stage import stage_keys, stage_values
 
 __all__ = ["TiledRunner"]
+
+#: Test hook: called with ``("tiled", tile, first key, end key, work dtype)`` before each
+#: unit's products (``tests/kernels/test_call_shapes.py`` attributes the calls it records).
+TRACE: Optional[Callable[[tuple], None]] = None
 
 
 class TiledRunner:
@@ -173,6 +177,8 @@ class TiledRunner:
         til, inp = self.til, self.inp
         kv, group, qt = self.kv, self.group, til.query_tile
         q = self._queries(seq, u)
+        if TRACE is not None:
+            TRACE(("tiled", u.t, a, b, til.work))
         n = b - a
         alpha = inp.q_scale if isinstance(inp.q_scale, float) else 1.0
         s = self._buf("s", (kv, qt * group, n), til.work)
