@@ -15,7 +15,8 @@ gathers and the two matrix products repeat per pass):
    ``index``), scores ``q' . k`` in the half dtype (float32 accumulation; ``q'`` is the query
    over a power of two above its L1 norm, ``_common.bounded_query``: no score can overflow),
    hidden scores ``-inf``;
-3. the sequence's maximum score (exact), ``p = exp(score - max)`` in float32, each tile's
+3. the sequence's maximum score (exact, and subtracted exactly: ``(s - max)`` in float32,
+   then times the score factor, which a zero scale leaves positive), ``p = exp(score - max)`` in float32, each tile's
    ``sum(p)``; probabilities divided by twice their tile sum and rounded to the half dtype
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
 4. values gathered like keys, ``P . V`` per tile, multiplied back by twice the tile sum into
@@ -136,18 +137,17 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
     two of ``bounded_query``); with ALiBi the bias is added in float32 first."""
     tiles, num_seqs = scores.shape[:2]
     hidden = index.hidden.view(tiles, num_seqs, 1, 1, -1)
-    # The score factor, negated: one op for a float scale.
-    if isinstance(q_scale, torch.Tensor):
-        negated = torch.mul(step, q_scale).neg_()
-    else:
-        negated = torch.mul(step, -q_scale)
+    # The score factor, at least the smallest normal float32: a zero softmax scale (or fp8
+    # k_scale) weighs every visible key alike instead of making -inf * 0 = NaN.
+    factor = torch.mul(step, q_scale).clamp_min_(_TINY)
     if calls.alibi_slopes is None:
         scores.masked_fill_(hidden, -math.inf)
         top = scores.amax(dim=(0, 4), keepdim=True)
-        # factor * (s - top) as one fused op: (-factor * top) - (-factor) * s.
-        probs = torch.addcmul(torch.mul(top, negated), scores, negated, value=-1.0)
+        # (s - top) in float32 (exact for half-precision s: the maximum key gives exactly 0,
+        # so exp never exceeds 1 and its weight is 1), then times the factor.
+        probs = torch.sub(scores, top.float()).mul_(factor)
     else:
-        probs = torch.addcmul(_alibi_bias(index, calls, hidden), scores, negated, value=-1.0)
+        probs = torch.addcmul(_alibi_bias(index, calls, hidden), scores, factor)
         probs.sub_(probs.amax(dim=(0, 4), keepdim=True))
     return probs.exp_()
 
