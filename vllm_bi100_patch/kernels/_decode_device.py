@@ -16,7 +16,8 @@ gathers and the two matrix products repeat per pass):
    over a power of two above its L1 norm, ``_common.bounded_query``: no score can overflow),
    hidden scores ``-inf``;
 3. the sequence's maximum score (exact, and subtracted exactly: ``(s - max)`` in float32,
-   then times the score factor, which a zero scale leaves positive), ``p = exp(score - max)`` in float32, each tile's
+   then times the score factor, which a zero scale leaves positive),
+   ``p = exp(score - max)`` in float32, each tile's
    ``sum(p)``; probabilities divided by twice their tile sum and rounded to the half dtype
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
 4. values gathered like keys, ``P . V`` per tile, multiplied back by twice the tile sum into
@@ -139,7 +140,10 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
     hidden = index.hidden.view(tiles, num_seqs, 1, 1, -1)
     # The score factor, at least the smallest normal float32: a zero softmax scale (or fp8
     # k_scale) weighs every visible key alike instead of making -inf * 0 = NaN.
-    factor = torch.mul(step, q_scale).clamp_min_(_TINY)
+    if isinstance(q_scale, torch.Tensor):
+        factor = torch.mul(step, q_scale).clamp_min_(_TINY)
+    else:
+        factor = torch.mul(step, max(q_scale, _TINY))
     if calls.alibi_slopes is None:
         scores.masked_fill_(hidden, -math.inf)
         top = scores.amax(dim=(0, 4), keepdim=True)

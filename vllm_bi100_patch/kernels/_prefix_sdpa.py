@@ -11,8 +11,9 @@ its rows padded with zeros where the call has no query, its keys ``[lo, tile end
 causal/sliding-window mask.  So every call that contains a position gives the flash kernel
 the same shapes, strides and buffer alignment for it (its blocking depends on them) and the
 same operands: the position's output row is the same however the prompt was sliced (the
-query tile is always a copy into one zero-padded buffer, the mask a column slice of the
-same numbers; the keys and values a prefix of one buffer, laid out alike).  Only the first ``context`` cached slots
+query tile is always a copy into one zero-padded buffer, the mask made per tile, the keys
+and values a slice of position-major buffers: the same strides whatever the call's
+length).  Only the first ``context`` cached slots
 are copied: nothing past a sequence's end is read into the buffer.
 """
 

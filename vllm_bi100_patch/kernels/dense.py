@@ -24,7 +24,7 @@ import torch
 
 from . import prefix
 from ._attend import attend
-from ._common import ScaleLike, ceil_div, scale_factor
+from ._common import ScaleLike, scale_factor
 from ._prefix_plan import PrefixInputs, SeqSpan, tiling
 from .kv_write import FP8_CACHE_DTYPES
 from .prefix import alibi_window
