@@ -138,22 +138,41 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
     two of ``bounded_query``); with ALiBi the bias is added in float32 first."""
     tiles, num_seqs = scores.shape[:2]
     hidden = index.hidden.view(tiles, num_seqs, 1, 1, -1)
-    # The score factor, at least the smallest normal float32: a zero softmax scale (or fp8
-    # k_scale) weighs every visible key alike instead of making -inf * 0 = NaN.
-    if isinstance(q_scale, torch.Tensor):
-        factor = torch.mul(step, q_scale).clamp_min_(_TINY)
+    # The score factor ``step * scale``, at least the smallest normal float32: a zero softmax
+    # scale (or fp8 k_scale) weighs every visible key alike instead of -inf * 0 = NaN.  A
+    # float scale is rounded on the host to ``_FACTOR_BITS`` significant bits (relative
+    # change <= 2**-14): times a power of two, times a half-precision maximum, the product
+    # is exact in float32, so the fused ``factor * s - factor * top`` is exactly 0 at the
+    # maximum key (defect 1: a rounded ``top * factor`` left a residual of up to 2,048).
+    bits = _FACTOR_BITS.get(scores.dtype)
+    short = bits is not None and not isinstance(q_scale, torch.Tensor)
+    if short:  # negated: one op
+        factor = torch.mul(step, -_short(max(float(q_scale), _TINY), bits))
     else:
-        factor = torch.mul(step, max(q_scale, _TINY))
+        factor = torch.mul(step, q_scale).clamp_min_(_TINY)
     if calls.alibi_slopes is None:
         scores.masked_fill_(hidden, -math.inf)
         top = scores.amax(dim=(0, 4), keepdim=True)
-        # (s - top) in float32 (exact for half-precision s: the maximum key gives exactly 0,
-        # so exp never exceeds 1 and its weight is 1), then times the factor.
-        probs = torch.sub(scores, top.float()).mul_(factor)
+        if short:  # (-factor * top) - (-factor) * s, both products exact
+            probs = torch.addcmul(torch.mul(top, factor), scores, factor, value=-1.0)
+        else:  # (s - top) in float32 (the maximum key gives exactly 0), then the factor
+            probs = torch.sub(scores, top.float()).mul_(factor)
     else:
+        if short:
+            factor = factor.neg_()
         probs = torch.addcmul(_alibi_bias(index, calls, hidden), scores, factor)
         probs.sub_(probs.amax(dim=(0, 4), keepdim=True))
     return probs.exp_()
+
+
+#: Significant bits a float score factor keeps, per half dtype: 24 minus the dtype's.
+_FACTOR_BITS = {torch.float16: 13, torch.bfloat16: 16}
+
+
+def _short(x: float, bits: int) -> float:
+    """``x`` (> 0) rounded to ``bits`` significant bits."""
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(round(mantissa * (1 << bits)) / (1 << bits), exponent)
 
 
 def _alibi_bias(index: TokenIndex, calls: Calls, hidden: torch.Tensor) -> torch.Tensor:
