@@ -15,9 +15,10 @@ gathers and the two matrix products repeat per pass):
    ``index``), scores ``q' . k`` in the half dtype (float32 accumulation; ``q'`` is the query
    over a power of two above its L1 norm, ``_common.bounded_query``: no score can overflow),
    hidden scores ``-inf``;
-3. the sequence's maximum score (exact, and subtracted exactly: ``(s - max)`` in float32,
-   then times the score factor, which a zero scale leaves positive),
-   ``p = exp(score - max)`` in float32, each tile's
+3. the sequence's maximum score (exact, and subtracted exactly: a float scale is rounded
+   to a few significant bits so that the fused ``factor * s - factor * max`` is 0 at the
+   maximum; a zero scale leaves the factor positive), ``p = exp(score - max)`` in float32,
+   each tile's
    ``sum(p)``; probabilities divided by twice their tile sum and rounded to the half dtype
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
 4. values gathered like keys, ``P . V`` per tile, multiplied back by twice the tile sum into
