@@ -145,8 +145,8 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
     # change <= 2**-14): times a power of two, times a half-precision maximum, the product
     # is exact in float32, so the fused ``factor * s - factor * top`` is exactly 0 at the
     # maximum key (defect 1: a rounded ``top * factor`` left a residual of up to 2,048).
-    bits = _FACTOR_BITS.get(scores.dtype)
-    short = bits is not None and not isinstance(q_scale, torch.Tensor)
+    bits = _FACTOR_BITS.get(scores.dtype, 0)
+    short = bits > 0 and not isinstance(q_scale, torch.Tensor)
     if short:  # negated: one op
         factor = torch.mul(step, -_short(max(float(q_scale), _TINY), bits))
     else:
