@@ -42,3 +42,15 @@ def _skip_half_without_cpu_gemm(request, half_gemm_needed: bool) -> None:
     dtype = params.params.get("dtype") if params is not None else None
     if half_gemm_needed and dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip(f"torch {torch.__version__} has no float16 GEMM on CPU")
+
+
+@pytest.fixture(params=["1-thread", "default-threads"])
+def threads(request):
+    """Run at one thread and at torch's default count (restored after): a BLAS splits its
+    reductions by thread count, so the bit-for-bit properties must hold at both."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "1-thread" else saved)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)

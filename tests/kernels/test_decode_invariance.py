@@ -15,7 +15,7 @@ import math
 
 import torch
 from helpers.reference import cpu_half_gemm, fp8_available, make_cache
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_bi100_patch.kernels import _common, paged_decode
@@ -87,9 +87,10 @@ def _run(case: dict) -> None:
         (batched[i:i + 1].double() - alone.double()).abs().max())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=batches())
-def test_decode_output_independent_of_the_batch(case):
+def test_decode_output_independent_of_the_batch(case, threads):
     layout, compute = FORMULATIONS[case["formulation"]]
     saved = _common.FORCE_LAYOUT, _common.FORCE_COMPUTE
     _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = layout, compute

@@ -4,12 +4,13 @@ prefix-cache hit of any length, a hit followed by the rest of a partly filled bl
 batch mates in any order), in both compute modes, on every path, and the dense kernel's rows
 of an uncached prompt equal the prefix kernel's after a hit.
 
-Rows are compared with ``torch.equal`` after the one-chunk computation, through
-``helpers.slicing`` (which writes the cache as vLLM does and poisons every slot past the
-cached part with NaN).  ``selftest.checks.check_prefix_slicing_invariance`` (the package's)
-runs the same comparisons on a GPU.  Invariance holds for one memory budget (the kernels' key groups
+Rows are compared bit for bit as integers (the sign of zero counts) after the one-chunk
+computation, through ``helpers.slicing`` (which writes the cache as vLLM does and poisons every slot past the
+cached part with NaN).  ``selftest.checks.check_prefix_slicing_invariance`` (the package's) runs the
+same comparisons on a GPU.  Invariance holds for one memory budget (the kernels' key groups
 follow ``VLLM_BI100_PREFIX_BUDGET_MB``, a per-server setting), every comparison here uses the
-default.
+default.  The property runs at one thread and at the default thread count; that it holds
+by construction, not by one machine's BLAS, is ``test_call_shapes.py``'s proof.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def slicings(draw, length: int):
     return list(zip(bounds, bounds[1:]))
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=75, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data(), setup=st.sampled_from(sorted(SETUPS)),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
@@ -157,7 +158,8 @@ def slicings(draw, length: int):
        extra=st.sampled_from(["none", "window", "alibi", "fp8"]),
        length=st.integers(20, 90), mates=st.integers(0, 2), seed=st.integers(0, 999))
 def test_property_rows_do_not_depend_on_the_slicing(data, setup, dtype, kv, group, extra,
-                                                     length, mates, seed, monkeypatch):
+                                                     length, mates, seed, monkeypatch,
+                                                     threads):
     if dtype == torch.float16 and SETUPS[setup][0] == "native" and not cpu_half_gemm():
         return
     if extra == "fp8" and (dtype == torch.float32 or not fp8_available()):

@@ -15,7 +15,10 @@ gathers and the two matrix products repeat per pass):
    ``index``), scores ``q' . k`` in the half dtype (float32 accumulation; ``q'`` is the query
    over a power of two above its L1 norm, ``_common.bounded_query``: no score can overflow),
    hidden scores ``-inf``;
-3. the sequence's maximum score (exact), ``p = exp(score - max)`` in float32, each tile's
+3. the sequence's maximum score (exact, and subtracted exactly: a float scale is rounded
+   to a few significant bits so that the fused ``factor * s - factor * max`` is 0 at the
+   maximum; a zero scale leaves the factor positive), ``p = exp(score - max)`` in float32,
+   each tile's
    ``sum(p)``; probabilities divided by twice their tile sum and rounded to the half dtype
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
 4. values gathered like keys, ``P . V`` per tile, multiplied back by twice the tile sum into
@@ -136,20 +139,41 @@ def _probabilities(scores: torch.Tensor, index: TokenIndex, step: torch.Tensor,
     two of ``bounded_query``); with ALiBi the bias is added in float32 first."""
     tiles, num_seqs = scores.shape[:2]
     hidden = index.hidden.view(tiles, num_seqs, 1, 1, -1)
-    # The score factor, negated: one op for a float scale.
-    if isinstance(q_scale, torch.Tensor):
-        negated = torch.mul(step, q_scale).neg_()
+    # The score factor ``step * scale``, at least the smallest normal float32: a zero softmax
+    # scale (or fp8 k_scale) weighs every visible key alike instead of -inf * 0 = NaN.  A
+    # float scale is rounded on the host to ``_FACTOR_BITS`` significant bits (relative
+    # change <= 2**-14): times a power of two, times a half-precision maximum, the product
+    # is exact in float32, so the fused ``factor * s - factor * top`` is exactly 0 at the
+    # maximum key (defect 1: a rounded ``top * factor`` left a residual of up to 2,048).
+    bits = _FACTOR_BITS.get(scores.dtype, 0)
+    short = bits > 0 and not isinstance(q_scale, torch.Tensor)
+    if short:  # negated: one op
+        factor = torch.mul(step, -_short(max(float(q_scale), _TINY), bits))
     else:
-        negated = torch.mul(step, -q_scale)
+        factor = torch.mul(step, q_scale).clamp_min_(_TINY)
     if calls.alibi_slopes is None:
         scores.masked_fill_(hidden, -math.inf)
         top = scores.amax(dim=(0, 4), keepdim=True)
-        # factor * (s - top) as one fused op: (-factor * top) - (-factor) * s.
-        probs = torch.addcmul(torch.mul(top, negated), scores, negated, value=-1.0)
+        if short:  # (-factor * top) - (-factor) * s, both products exact
+            probs = torch.addcmul(torch.mul(top, factor), scores, factor, value=-1.0)
+        else:  # (s - top) in float32 (the maximum key gives exactly 0), then the factor
+            probs = torch.sub(scores, top.float()).mul_(factor)
     else:
-        probs = torch.addcmul(_alibi_bias(index, calls, hidden), scores, negated, value=-1.0)
+        if short:
+            factor = factor.neg_()
+        probs = torch.addcmul(_alibi_bias(index, calls, hidden), scores, factor)
         probs.sub_(probs.amax(dim=(0, 4), keepdim=True))
     return probs.exp_()
+
+
+#: Significant bits a float score factor keeps, per half dtype: 24 minus the dtype's.
+_FACTOR_BITS = {torch.float16: 13, torch.bfloat16: 16}
+
+
+def _short(x: float, bits: int) -> float:
+    """``x`` (> 0) rounded to ``bits`` significant bits."""
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(round(mantissa * (1 << bits)) / (1 << bits), exponent)
 
 
 def _alibi_bias(index: TokenIndex, calls: Calls, hidden: torch.Tensor) -> torch.Tensor:

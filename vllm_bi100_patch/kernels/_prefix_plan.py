@@ -6,17 +6,22 @@ the kernels slicing-invariant: a token's output row is computed by the same oper
 same operands whatever the chunk it came in, the cache hit before it or its batch mates.
 
 - ``Tiling.key_tile`` (KT): key ranges start and end on absolute multiples of it (a multiple
-  of the block size); with float32 work, queries go in absolute blocks of KT positions,
-  each against exactly its own key range, so a row's products have the same reduction
-  length in every slicing (float32 GEMMs on CPU change their summation with it).
+  of the block size).
+- ``Tiling.query_tile`` (QT, KT or a divisor of it under small budgets): queries go in
+  absolute tiles of QT positions ``[t QT, (t + 1) QT)``, padded with zero rows where the
+  call has no query; a tile is the unit of every matrix product: its rows against its own
+  key range (``[lo, hi)``, ``hi`` the tile's end rounded up to KT, ``lo`` 0 or the window's
+  start aligned down to KT), never beside another tile's rows.
 - ``Tiling.group_keys`` (KS): keys are processed in absolute groups ``[g KS, (g + 1) KS)``,
-  merged in group order; KS bounds the staged K/V (``stage_bytes``) under the budget.
-- ``Tiling.query_tile`` (QT): a chunk's query rows are padded to a multiple of it (no matrix
-  product sees fewer than QT x group rows).
+  merged in group order; KS bounds the staged K/V (``stage_bytes``) and one tile's scores
+  under the budget.  Staged K/V live at their offset in the group (buffers of KS positions).
 - ``SDPA_QUERY_TILE``: the SDPA path runs queries in absolute tiles of this many positions.
 
-How a chunk of rows is cut to fit the budget (``chunk_tokens``) may depend on the call: the
-rows of a matrix product do not change each other's results.
+So every matrix product (``Q.K^T``, ``P.V``, the float32 re-run's) that touches a row has a
+shape, dtype, layout (strides, offset in its buffer) and batch count that are functions of
+the row's tile and key group only: a BLAS (or cuBLAS) that picks its kernel, blocking and
+split of the reduction by the whole shape and the thread count sees the same call for the
+row in every slicing (``tests/kernels/test_call_shapes.py`` records them).
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ _TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 #: Key tile (tokens): alignment of every key range, and the reduction length of float32
 #: ``P.V`` products.  Rounded up to a multiple of the block size.
 KEY_TILE = 256
-#: Query rows of a chunk are padded to a multiple of this many tokens.
-QUERY_TILE = 16
+#: Query positions per tile of the tiled path (``Tiling.query_tile``): the key tile, halved
+#: (down to this) while one tile's working set over one key tile exceeds half the budget: a
+#: function of the model's shape and the budget, never of the call.
+MIN_QUERY_TILE = 16
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
 SDPA_QUERY_TILE = 256
@@ -143,19 +150,6 @@ class Tiling:
     shift: str
     pv_alpha: float = 1.0
 
-    @property
-    def per_block(self) -> bool:
-        """Float32 work: chunks never cross an absolute query block of ``key_tile``
-        positions and take exactly that block's keys (float32 GEMMs sum differently with
-        the reduction length)."""
-        return self.work == torch.float32
-
-    @property
-    def split_keys(self) -> bool:
-        """Half-precision work with the ``"max"`` shift: the cached keys are used as
-        gathered (one ``Q.K^T`` for them, one for the new tokens), not copied."""
-        return self.shift == "max" and not self.per_block
-
 
 def value_columns(head_size: int, work_elem: int) -> int:
     """Columns of staged value tiles (and of queries/keys with the ``"self"`` shift):
@@ -191,16 +185,21 @@ def row_bytes(keys: int, heads: int, kv_heads: int, head_size: int, work_elem: i
 def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
            budget_bytes: int, *, causal: bool = True, alibi: bool = False) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
-    K/V take at most a quarter of the budget, and whose scores for one query tile another
-    quarter."""
+    K/V and scores for one query tile take at most half the budget (the tiles' float32
+    accumulators another quarter at most: ``_prefix_tiled``)."""
     we = _elem(work)
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
-    per_key = stage_bytes(1, kv_heads, head_size, we) + QUERY_TILE * (
+    qt = kt  # halved (a divisor of KT) while one tile against one key tile is over budget/2
+    while qt % 2 == 0 and qt > MIN_QUERY_TILE and (
+            stage_bytes(kt, kv_heads, head_size, we)
+            + qt * row_bytes(kt, heads, kv_heads, head_size, we, alibi) > budget_bytes // 2):
+        qt //= 2
+    per_key = stage_bytes(1, kv_heads, head_size, we) + qt * (
         row_bytes(1, heads, kv_heads, head_size, we, alibi)
         - row_bytes(0, heads, kv_heads, head_size, we, alibi))
-    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 4) // (per_key * kt)))
+    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 2) // (per_key * kt)))
     shift = "max" if (work == torch.float16 or not causal) else "self"
-    return Tiling(kt, groups * kt, QUERY_TILE, work, shift,
+    return Tiling(kt, groups * kt, qt, work, shift,
                   pv_alpha=FP16_PV_ALPHA if work == torch.float16 else 1.0)
 
 

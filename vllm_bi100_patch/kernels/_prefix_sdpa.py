@@ -9,16 +9,17 @@ cache is fp8; zeros past the sequence's end).  Queries run in absolute tiles of
 its rows padded with zeros where the call has no query, its keys ``[lo, tile end)`` with
 ``lo`` 0 (or the window's start for the tile's first position) and a boolean
 causal/sliding-window mask.  So every call that contains a position gives the flash kernel
-the same shapes for it (its blocking depends on them) and the same operands: the position's
-output row is the same however the prompt was sliced (the query tile is a view of the
-caller's rows or a padded copy, the mask a column slice: the same numbers, and the tests
-check that the verified torch gives the same rows).  Only the first ``context`` cached slots
+the same shapes, strides and buffer alignment for it (its blocking depends on them) and the
+same operands: the position's output row is the same however the prompt was sliced (the
+query tile is always a copy into one zero-padded buffer, the mask made per tile, the keys
+and values a slice of position-major buffers: the same strides whatever the call's
+length).  Only the first ``context`` cached slots
 are copied: nothing past a sequence's end is read into the buffer.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from ._prefix_stage import new_tokens
 
 __all__ = ["sdpa_rows"]
 
+#: Test hook: called with ``("sdpa", tile, first key, end key)`` before each tile's call.
+TRACE: Optional[Callable[[tuple], None]] = None
+
 
 def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> None:
     """Attend the sequence's first ``rows`` query rows; writes their rows of ``out``."""
@@ -38,8 +42,10 @@ def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> 
     assert isinstance(inp.q_scale, float) and seq.causal
     t0, t1 = ctx // qt, ceil_div(ctx + rows, qt)
     tokens = t1 * qt
-    keys = torch.empty((kv, tokens, d), dtype=dtype, device=query.device)
-    values = torch.empty_like(keys)
+    # Position-major storage seen as [kv, tokens, D]: a tile's K/V slice has the same strides
+    # (and its offset depends on the tile only) whatever the call's length.
+    keys = torch.empty((tokens, kv, d), dtype=dtype, device=query.device).transpose(0, 1)
+    values = torch.empty((tokens, kv, d), dtype=dtype, device=query.device).transpose(0, 1)
     if ctx > 0:
         assert inp.spec is not None and seq.table is not None
         ids = seq.table[:ceil_div(ctx, inp.spec.block_size)]
@@ -60,32 +66,27 @@ def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> 
         keys[:, :ctx - window + 1].zero_()
         values[:, :ctx - window + 1].zero_()
     heads = query.shape[1]
-    last = (t1 - 1) * qt
-    # Without a window every tile's mask is a column slice of the last tile's: row i
-    # (position p0 + i) sees key j iff j <= p0 + i.
-    full = None if window is not None else torch.ones(
-        (qt, last + qt), dtype=torch.bool, device=query.device).tril_(last)
     pad: Optional[torch.Tensor] = None
     for t in range(t0, t1):
         p0 = t * qt
         r0, r1 = max(p0, ctx) - ctx, min(p0 + qt, ctx + rows) - ctx  # the call's rows
-        if r1 - r0 == qt:
-            q = query[start + r0:start + r1].transpose(0, 1).unsqueeze(0)
-        else:  # zeros for the positions this call has no query for
-            if pad is None:
-                pad = torch.zeros((1, heads, qt, d), dtype=dtype, device=query.device)
-            else:
-                pad.zero_()
-            q = pad
-            q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(
-                query[start + r0:start + r1].transpose(0, 1))
+        # Always the same buffer (strides, alignment), zeros for the positions this call
+        # has no query for.
+        if pad is None:
+            pad = torch.zeros((1, heads, qt, d), dtype=dtype, device=query.device)
+        elif r1 - r0 < qt:
+            pad.zero_()
+        q = pad
+        q[0, :, ctx + r0 - p0:ctx + r1 - p0].copy_(query[start + r0:start + r1].transpose(0, 1))
         lo = 0 if window is None else max(0, p0 - window + 1)
-        if window is None:
-            assert full is not None
-            mask = full[:, last - p0:]
-        else:  # row i sees key lo + j iff p0 - lo - window + 1 <= j - i <= p0 - lo
-            mask = torch.ones((qt, p0 + qt - lo), dtype=torch.bool, device=query.device)
-            mask.tril_(p0 - lo).triu_(p0 - lo - window + 1)
+        # Row i sees key lo + j iff p0 - lo - window + 1 <= j - i <= p0 - lo (made per tile:
+        # its layout is the tile's in every call).
+        mask = torch.ones((qt, p0 + qt - lo), dtype=torch.bool, device=query.device)
+        mask.tril_(p0 - lo)
+        if window is not None:
+            mask.triu_(p0 - lo - window + 1)
+        if TRACE is not None:
+            TRACE(("sdpa", t, lo, p0 + qt))
         res = F.scaled_dot_product_attention(
             q, keys[:, lo:p0 + qt].unsqueeze(0), values[:, lo:p0 + qt].unsqueeze(0),
             attn_mask=mask, scale=inp.q_scale, enable_gqa=True)

@@ -33,16 +33,20 @@ per-row decision, so it does not depend on the slicing either.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .._log import log
 from ._common import ceil_div
-from ._prefix_plan import PrefixInputs, SeqSpan, Tiling, chunk_tokens, tiling, value_columns
-from ._prefix_stage import key_parts, stage_keys, stage_values
+from ._prefix_plan import PrefixInputs, SeqSpan, Tiling, tiling, value_columns
+from ._prefix_stage import stage_keys, stage_values
 
 __all__ = ["TiledRunner"]
+
+#: Test hook: called with ``("tiled", tile, first key, end key, work dtype)`` before each
+#: unit's products (``tests/kernels/test_call_shapes.py`` attributes the calls it records).
+TRACE: Optional[Callable[[tuple], None]] = None
 
 
 class TiledRunner:
@@ -54,6 +58,7 @@ class TiledRunner:
         self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
         self.device = inp.query.device
         self._bufs: Dict[str, torch.Tensor] = {}
+        self._masks: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
         #: (sequence, first row, last row, float32 sum of each row's weighted sums, row sums
         #: and clamped output) per unit that can overflow: finite iff the row's sums are and
         #: its weights are not all 0 (or huge: a spurious re-run).
@@ -67,155 +72,138 @@ class TiledRunner:
             buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel].view(shape)
 
-    def key_range(self, seq: SeqSpan, c0: int, c1: int) -> Tuple[int, int]:
-        """The absolute, key-tile-aligned key range of query rows ``[c0, c1)``."""
-        kt, window = self.til.key_tile, self.inp.window
+    def tile_range(self, seq: SeqSpan, t: int) -> Tuple[int, int]:
+        """The absolute, key-tile-aligned key range of query tile ``t`` (positions
+        ``[t QT, (t + 1) QT)``): a function of the tile alone."""
+        kt, qt, window = self.til.key_tile, self.til.query_tile, self.inp.window
         if not seq.causal:
             return 0, ceil_div(seq.new_keys, kt) * kt
-        first = seq.ctx + c0
-        if self.til.per_block:  # the rows' query block, whatever part of it is here
-            first = first // kt * kt
+        first = t * qt
         lo = 0 if window is None else max(0, first - window + 1) // kt * kt
-        return lo, ceil_div(seq.ctx + c1, kt) * kt
-
-    def _chunks(self, seq: SeqSpan, i0: int, i1: int, tokens: int) -> List[Tuple[int, int]]:
-        """Row chunks of at most ``tokens`` rows (float32: never across a query block)."""
-        kt = self.til.key_tile
-        cuts = [i0, i1]
-        if self.til.per_block and seq.causal:
-            cuts += range((seq.ctx + i0) // kt * kt + kt - seq.ctx, i1, kt)
-        cuts = sorted(set(cuts))
-        return [(c, min(b, c + tokens)) for a, b in zip(cuts, cuts[1:])
-                for c in range(a, b, tokens)]
+        return lo, ceil_div(first + qt, kt) * kt
 
     def run(self, seq: SeqSpan, out: torch.Tensor, i0: int = 0, i1: int = -1,
             dest: Optional[torch.Tensor] = None) -> None:
         """Attend query rows ``[i0, i1)`` of ``seq`` (all by default) into their rows of
-        ``out`` (or into ``dest[0:i1 - i0]``)."""
+        ``out`` (or into ``dest[0:i1 - i0]``), one absolute query tile at a time."""
         til, inp = self.til, self.inp
         i1 = seq.q_len if i1 < 0 else i1
-        lo, hi = self.key_range(seq, i0, i1)
-        ks = til.group_keys
-        groups = list(range(lo // ks, (hi - 1) // ks + 1))
-        width = min(hi - lo, ks)
-        tokens = chunk_tokens(i1 - i0, width, width, self.kv * self.group, self.kv, self.d,
-                              til, self.budget, inp.slopes is not None,
-                              gathered=seq.table is not None and seq.ctx > lo)
-        chunks = self._chunks(seq, i0, i1, tokens)
+        qt, ks = til.query_tile, til.group_keys
+        base = seq.ctx if seq.causal else 0  # position of row 0
+        units = []
+        for t in range((base + i0) // qt, ceil_div(base + i1, qt)):
+            lo, hi = self.tile_range(seq, t)
+            units.append(_Unit(t, max(i0, t * qt - base), min(i1, (t + 1) * qt - base),
+                               lo, hi, list(range(lo // ks, (hi - 1) // ks + 1))))
+        lo_all, hi_all = min(u.lo for u in units), max(u.hi for u in units)
+        groups = list(range(lo_all // ks, (hi_all - 1) // ks + 1))
         hidden = None  # value slots before every row's window
         if inp.window is not None and seq.causal:
             hidden = seq.ctx + i0 - inp.window + 1
-        acc_all = self.kv * self.group * (i1 - i0 + til.query_tile) * (self.cols + 1) * 4
-        single = len(groups) == 1
-        if single or acc_all > self.budget // 4:
-            # Chunk by chunk: each stages the groups it needs (all chunks share a single one).
+        acc_all = self.kv * self.group * len(units) * qt * (self.cols + 1) * 4
+        if len(groups) == 1 or acc_all > self.budget // 4:
+            # Tile by tile: each stages the groups it needs (all tiles share a single one).
             staged: Optional[_Staged] = None
-            for c0, c1 in chunks:
-                state = _State(self, c1 - c0)
-                for g in groups:
-                    a, b = self._clip(seq, c0, c1, g)
-                    if a >= b:
-                        continue
-                    if staged is None or not staged.a <= a < b <= staged.b:
-                        sa, sb = (lo, hi) if single else (a, b)
-                        staged = self._stage(seq, sa, sb, hidden)
-                    self._unit(seq, c0, c1, a, b, staged, state, single)
-                self._finish(seq, c0, c1, state, out, i0, dest)
+            for u in units:
+                state = _State(self, single=len(u.groups) == 1)
+                for g in u.groups:
+                    a, b = max(u.lo, g * ks), min(u.hi, (g + 1) * ks)
+                    if staged is None or staged.g != g:
+                        staged = self._stage(seq, g, max(lo_all, g * ks),
+                                             min(hi_all, (g + 1) * ks), hidden)
+                    self._unit(seq, u, a, b, staged, state)
+                self._finish(seq, u, state, out, i0, dest)
+            self._close(seq, i0, i1, out, dest)
             return
-        # Group by group, every chunk's state kept: each group staged once.
-        states = [_State(self, c1 - c0) for c0, c1 in chunks]
+        # Group by group, every tile's state kept: each group staged once.
+        states = [_State(self, single=len(u.groups) == 1) for u in units]
         for g in groups:
-            staged = self._stage(seq, max(lo, g * ks), min(hi, (g + 1) * ks), hidden)
-            for (c0, c1), state in zip(chunks, states):
-                a, b = self._clip(seq, c0, c1, g)
+            staged = self._stage(seq, g, max(lo_all, g * ks), min(hi_all, (g + 1) * ks),
+                                 hidden)
+            for u, state in zip(units, states):
+                a, b = max(u.lo, g * ks), min(u.hi, (g + 1) * ks)
                 if a < b:
-                    self._unit(seq, c0, c1, a, b, staged, state, single=False)
-        for (c0, c1), state in zip(chunks, states):
-            self._finish(seq, c0, c1, state, out, i0, dest)
+                    self._unit(seq, u, a, b, staged, state)
+        for u, state in zip(units, states):
+            self._finish(seq, u, state, out, i0, dest)
+        self._close(seq, i0, i1, out, dest)
 
-    def _clip(self, seq: SeqSpan, c0: int, c1: int, g: int) -> Tuple[int, int]:
-        lo, hi = self.key_range(seq, c0, c1)
-        ks = self.til.group_keys
-        return max(lo, g * ks), min(hi, (g + 1) * ks)
-
-    def _stage(self, seq: SeqSpan, a: int, b: int, hidden: Optional[int]) -> "_Staged":
+    def _stage(self, seq: SeqSpan, g: int, a: int, b: int, hidden: Optional[int]
+               ) -> "_Staged":
+        """Positions ``[a, b)`` of key group ``g``, at their offset in buffers of one group
+        (so a unit's operands have the same strides and offset in every call)."""
         til, inp = self.til, self.inp
-        values = self._buf("v", (self.kv, b - a, self.cols), til.work)
-        stage_values(inp, seq, a, b, values, hidden)
-        if til.split_keys:
-            return _Staged(a, b, key_parts(inp, seq, a, b, til.work), values)
+        origin, ks = g * til.group_keys, til.group_keys
+        values = self._buf("v", (self.kv, ks, self.cols), til.work)
+        stage_values(inp, seq, a, b, values[:, a - origin:b - origin], hidden)
         width = self.cols if til.shift == "self" else self.d
-        keys = self._buf("k", (self.kv, b - a, width), til.work)
-        stage_keys(inp, seq, a, b, keys, augmented=til.shift == "self")
-        return _Staged(a, b, [(a, keys)], values)
+        keys = self._buf("k", (self.kv, ks, width), til.work)
+        stage_keys(inp, seq, a, b, keys[:, a - origin:b - origin],
+                   augmented=til.shift == "self")
+        return _Staged(g, origin, keys, values)
 
-    def _queries(self, seq: SeqSpan, c0: int, c1: int, tokens: int) -> torch.Tensor:
-        """The chunk's queries ``[kv, tokens * group, D]`` (rows token-major, padded with
-        zeros); for the ``"self"`` shift with more columns: ``-q.k_self`` split into a high
-        and a low part in the work dtype (then zeros), against the keys' two columns of
-        ones."""
+    def _queries(self, seq: SeqSpan, u: "_Unit") -> torch.Tensor:
+        """The tile's queries ``[kv, QT * group, D]`` (rows position-major, zeros where the
+        call has no query); for the ``"self"`` shift with more columns: ``-q.k_self`` split
+        into a high and a low part in the work dtype (then zeros), against the keys' two
+        columns of ones."""
         inp, til = self.inp, self.til
-        kv, group, d = self.kv, self.group, self.d
+        kv, group, d, qt = self.kv, self.group, self.d, til.query_tile
+        base = seq.ctx if seq.causal else 0
+        c0, c1 = u.r0, u.r1
         n = c1 - c0
+        at = base + c0 - u.t * qt  # the first call row's place in the tile
         rows = inp.query[seq.start + c0:seq.start + c1]
         augmented = til.shift == "self"
-        if (kv == 1 and n == tokens and rows.dtype == til.work and rows.is_contiguous()
-                and isinstance(inp.q_scale, float) and not augmented):
-            return rows.view(1, n * group, d)
         width = self.cols if augmented else d
-        q = self._buf("q", (kv, tokens * group, width), til.work)
-        q4 = q.view(kv, tokens, group, width)
-        q4[:, :n, :, :d].copy_(rows.view(n, kv, group, d).permute(1, 0, 2, 3))
-        if n < tokens:
-            q4[:, n:].zero_()
+        q = self._buf("q", (kv, qt * group, width), til.work)
+        q4 = q.view(kv, qt, group, width)
+        if n < qt:
+            q4.zero_()
+        q4[:, at:at + n, :, :d].copy_(rows.view(n, kv, group, d).permute(1, 0, 2, 3))
         if augmented:  # -q.k_self as two work-dtype columns (high and low part)
             own = inp.key[seq.key_start + c0:seq.key_start + c1].view(n, kv, 1, d)
             # Products in float32 (exact for half inputs), as the GEMM forms them.
             dots = torch.mul(rows.view(n, kv, group, d).float(), own).sum(-1)
             high = dots.neg_().to(til.work)
-            q4[:, :n, :, d].copy_(high.permute(1, 0, 2))
-            q4[:, :n, :, d + 1].copy_(dots.sub_(high).permute(1, 0, 2))
-            q4[:, :n, :, d + 2:].zero_()
+            q4[:, at:at + n, :, d].copy_(high.permute(1, 0, 2))
+            q4[:, at:at + n, :, d + 1].copy_(dots.sub_(high).permute(1, 0, 2))
+            if n == qt:
+                q4[:, :, :, d + 2:].zero_()
         if not isinstance(inp.q_scale, float):
             q.mul_(inp.q_scale)
         return q
 
-    def _unit(self, seq: SeqSpan, c0: int, c1: int, a: int, b: int, staged: "_Staged",
-              state: "_State", single: bool) -> None:
+    def _unit(self, seq: SeqSpan, u: "_Unit", a: int, b: int, staged: "_Staged",
+              state: "_State") -> None:
         til, inp = self.til, self.inp
-        kv, group = self.kv, self.group
-        tokens = state.tokens
-        q = self._queries(seq, c0, c1, tokens)
+        kv, group, qt = self.kv, self.group, til.query_tile
+        q = self._queries(seq, u)
+        if TRACE is not None:
+            TRACE(("tiled", u.t, a, b, til.work))
         n = b - a
         alpha = inp.q_scale if isinstance(inp.q_scale, float) else 1.0
-        s = self._buf("s", (kv, tokens * group, n), til.work)
-        covered = a
-        for p0, part in staged.keys:
-            x0, x1 = max(a, p0), min(b, p0 + part.shape[1])
-            if x0 < x1:
-                s[:, :, x0 - a:x1 - a].baddbmm_(q, part[:, x0 - p0:x1 - p0].transpose(1, 2),
-                                                beta=0, alpha=alpha)
-                covered = max(covered, x1)
-        if covered < b:  # past the sequence's end (split keys): no key there
-            s[:, :, covered - a:].fill_(-math.inf)
-        self._bias_and_mask(seq, c0, a, n, tokens, s.view(kv, tokens, group, n))
+        s = self._buf("s", (kv, qt * group, n), til.work)
+        keys = staged.keys[:, a - staged.origin:b - staged.origin]
+        s.baddbmm_(q, keys.transpose(1, 2), beta=0, alpha=alpha)
+        self._bias_and_mask(seq, u.t * qt, a, n, qt, s.view(kv, qt, group, n))
         if til.shift == "max":
-            state.shift_max(s, single)
+            state.shift_max(s)
         probs = s.exp_()
-        v_r = staged.values[:, a - staged.a:b - staged.a]
+        v_r = staged.values[:, a - staged.origin:b - staged.origin]
         if til.work == torch.float32 and til.shift == "self":
             state.acc.baddbmm_(probs, v_r)
         elif til.work == torch.float32:
-            state.merge(torch.bmm(probs, v_r), 1.0, single=False)
+            state.merge(torch.bmm(probs, v_r), 1.0)
         else:
-            o = self._buf("o", (kv, tokens * group, self.cols), til.work)
+            o = self._buf("o", (kv, qt * group, self.cols), til.work)
             o.baddbmm_(probs, v_r, beta=0, alpha=til.pv_alpha)
-            state.merge(o, 1 / til.pv_alpha, single)
+            state.merge(o, 1 / til.pv_alpha)
 
-    def _bias_and_mask(self, seq: SeqSpan, c0: int, a: int, n: int, tokens: int,
+    def _bias_and_mask(self, seq: SeqSpan, first: int, a: int, n: int, tokens: int,
                        s4: torch.Tensor) -> None:
         """ALiBi (float32, rounded once into the scores) and the causal / window / padding
-        masks (-inf), for row ``r`` at position ``ctx + c0 + r`` and key ``a + j``; masks
+        masks (-inf), for row ``r`` at position ``first + r`` and key ``a + j``; masks
         only over the key columns that need one."""
         inp = self.inp
         device = s4.device
@@ -223,7 +211,6 @@ class TiledRunner:
             if seq.new_keys < a + n:
                 s4[..., max(0, seq.new_keys - a):].fill_(-math.inf)
             return
-        first = seq.ctx + c0
         if inp.slopes is not None:
             rel = torch.arange(a, a + n, device=device, dtype=torch.float32).view(1, n) - \
                 torch.arange(first, first + tokens, device=device,
@@ -232,37 +219,66 @@ class TiledRunner:
         d0 = first - a  # key column of row 0's own position: hidden iff column - row > d0
         start = max(0, d0 + 1)
         if start < n:
-            hide = torch.ones((tokens, n - start), dtype=torch.bool, device=device)
-            hide.triu_(d0 + 1 - start)
+            hide = self._mask("triu", tokens, n - start, d0 + 1 - start)
             s4[..., start:].masked_fill_(hide.view(1, tokens, 1, n - start), -math.inf)
         if inp.window is not None:  # hidden iff column - row <= first - window - a
             e0 = first - inp.window - a
             stop = min(n, e0 + tokens)
             if stop > 0:
-                hide = torch.ones((tokens, stop), dtype=torch.bool, device=device)
-                hide.tril_(e0)
+                hide = self._mask("tril", tokens, stop, e0)
                 s4[..., :stop].masked_fill_(hide.view(1, tokens, 1, stop), -math.inf)
 
-    def _finish(self, seq: SeqSpan, c0: int, c1: int, state: "_State", out: torch.Tensor,
+    def _mask(self, kind: str, rows: int, cols: int, diagonal: int) -> torch.Tensor:
+        """A boolean ``triu``/``tril`` mask, made once per call (tiles of the same shape
+        share their diagonal's mask: two launches saved per tile)."""
+        key = (kind, rows, cols, diagonal)
+        hide = self._masks.get(key)
+        if hide is None:
+            hide = torch.ones((rows, cols), dtype=torch.bool, device=self.device)
+            hide = hide.triu_(diagonal) if kind == "triu" else hide.tril_(diagonal)
+            self._masks[key] = hide
+        return hide
+
+    def _finish(self, seq: SeqSpan, u: "_Unit", state: "_State", out: torch.Tensor,
                 i0: int, dest: Optional[torch.Tensor]) -> None:
         """Normalised rows into ``out`` (the ones column holds the row sums).  A weighted
         mean cannot leave its values' range, but the rounded sums can make a float16 one
         round past 65,504: the result is clamped to the finite range (where the sums
         themselves overflowed, the row is recomputed: ``recompute``)."""
-        kv, group, d = self.kv, self.group, self.d
+        kv, group, d, qt = self.kv, self.group, self.d, self.til.query_tile
+        c0, c1 = u.r0, u.r1
         n = c1 - c0
-        res = state.result().view(kv, state.tokens, group, self.cols)[:, :n]
+        at = (seq.ctx if seq.causal else 0) + c0 - u.t * qt
+        res = state.result().view(kv, qt, group, self.cols)[:, at:at + n]
         rows = out[seq.start + c0:seq.start + c1] if dest is None else dest[c0 - i0:c1 - i0]
         target = rows.view(n, kv, group, d).permute(1, 0, 2, 3)
         torch.div(res[..., :d], res[..., d:d + 1], out=target)
-        if rows.dtype == torch.float16:
-            top = torch.finfo(torch.float16).max
-            rows.clamp_(-top, top)
-        if self.check:  # the sums (inf: overflow) and the clamped rows (NaN: 0/0, every
-            # score -inf, or a NaN input)
+        if self.check and self.til.shift == "self":
+            # The sums (inf: overflow; a row sum past the range with finite weighted sums
+            # would divide to 0) and the rows (NaN: 0/0, every score -inf, or a NaN input).
             total = res[..., :d + 1].sum(dim=(0, 2, 3), dtype=torch.float32)
             total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
             self.checks.append((seq, c0, c1, total))
+            self._clamp(rows)
+
+    def _close(self, seq: SeqSpan, i0: int, i1: int, out: torch.Tensor,
+               dest: Optional[torch.Tensor]) -> None:
+        """After every tile of ``[i0, i1)``: with the ``"max"`` shift (weights <= 1: a row
+        sum is at most its keys x ``pv_alpha``, finite for up to 16.7e6 keys in float16, so
+        only the weighted sums can overflow, and then the row is inf or NaN) one check of
+        the rows, before the clamp, for the whole call."""
+        if self.til.shift == "self" and self.check:
+            return
+        rows = out[seq.start + i0:seq.start + i1] if dest is None else dest[:i1 - i0]
+        if self.check:
+            self.checks.append((seq, i0, i1, rows.sum(dim=(1, 2), dtype=torch.float32)))
+        self._clamp(rows)
+
+    @staticmethod
+    def _clamp(rows: torch.Tensor) -> None:
+        if rows.dtype == torch.float16:
+            top = torch.finfo(torch.float16).max
+            rows.clamp_(-top, top)
 
     def recompute(self, out: torch.Tensor) -> int:
         """Rows whose weighted sums are not finite or whose weights are all 0 (scores or sums
@@ -303,24 +319,34 @@ class TiledRunner:
         return len(bad)
 
 
-class _Staged:
-    """Staged keys (parts ``(first position, [kv, n, D])``) and values of ``[a, b)``."""
+class _Unit:
+    """One absolute query tile ``t`` of a call: its rows ``[r0, r1)`` of the sequence, its key
+    range ``[lo, hi)`` and the key groups that range touches."""
 
-    def __init__(self, a: int, b: int, keys: List[Tuple[int, torch.Tensor]],
-                 values: torch.Tensor) -> None:
-        self.a, self.b, self.keys, self.values = a, b, keys, values
+    __slots__ = ("t", "r0", "r1", "lo", "hi", "groups")
+
+    def __init__(self, t: int, r0: int, r1: int, lo: int, hi: int, groups: List[int]) -> None:
+        self.t, self.r0, self.r1, self.lo, self.hi, self.groups = t, r0, r1, lo, hi, groups
+
+
+class _Staged:
+    """Staged keys and values of key group ``g`` (buffers ``[kv, KS, cols]`` whose row ``i``
+    is position ``origin + i``)."""
+
+    def __init__(self, g: int, origin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.g, self.origin, self.keys, self.values = g, origin, keys, values
 
 
 class _State:
-    """One chunk's merge state: the float32 accumulator (with the row-sum column), made
+    """One tile's merge state: the float32 accumulator (with the row-sum column), made
     when a second group or float32 ``P.V`` needs it, and for the ``"max"`` shift the running
-    max and the pending correction.  A chunk whose keys are one group and whose ``P.V`` is
-    half precision normalises that product directly: the same numbers (adding it to a zero
-    float32 accumulator is exact, and so is the power-of-two scale of float16 ``P.V``)."""
+    max and the pending correction.  A tile whose keys are one group (``single``, a property
+    of the tile) and whose ``P.V`` is half precision normalises that product directly."""
 
-    def __init__(self, runner: TiledRunner, n: int) -> None:
+    def __init__(self, runner: TiledRunner, single: bool) -> None:
         self.runner = runner
-        self.tokens = ceil_div(n, runner.til.query_tile) * runner.til.query_tile
+        self.single = single
+        self.tokens = runner.til.query_tile
         self.rows = (runner.kv, self.tokens * runner.group)
         self._acc: Optional[torch.Tensor] = None
         self.m: Optional[torch.Tensor] = None
@@ -334,14 +360,14 @@ class _State:
                                     device=self.runner.device)
         return self._acc
 
-    def shift_max(self, s: torch.Tensor, single: bool) -> None:
+    def shift_max(self, s: torch.Tensor) -> None:
         """Shift the scores ``[kv, rows, keys]`` by the running row max, in place; keeps the
         accumulator's correction for ``merge``.  A row that saw no key yet has max
         ``finfo.min``: its weights are exactly 0, and its correction 0 once it sees one."""
         work = s.dtype
         low = torch.finfo(work).min
         m = s.amax(dim=-1, keepdim=True)
-        if single:  # every row sees a key of its only group: its max is finite
+        if self.single:  # every row sees a key of its only group: its max is finite
             s.sub_(m)
             return
         if self.m is None:
@@ -352,9 +378,9 @@ class _State:
         self.m = m_new
         s.sub_(m_new.to(work))  # exact: every value came from ``work``
 
-    def merge(self, o: torch.Tensor, scale: float, single: bool) -> None:
+    def merge(self, o: torch.Tensor, scale: float) -> None:
         """Fold one group's ``P.V`` (times ``scale``) into the accumulator."""
-        if single:
+        if self.single and o.dtype != torch.float32:
             self.direct = o
             return
         if self.corr is not None:

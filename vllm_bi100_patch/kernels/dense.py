@@ -24,8 +24,8 @@ import torch
 
 from . import prefix
 from ._attend import attend
-from ._common import ScaleLike, ceil_div, scale_factor
-from ._prefix_plan import PrefixInputs, SeqSpan, chunk_tokens, tiling
+from ._common import ScaleLike, scale_factor
+from ._prefix_plan import PrefixInputs, SeqSpan, tiling
 from .kv_write import FP8_CACHE_DTYPES
 from .prefix import alibi_window
 
@@ -45,15 +45,13 @@ def _lengths(name: str, lens: Sequence[int]) -> List[int]:
 
 def tile_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_size: int,
               elem: int, budget_bytes: int, *, alibi: bool = False) -> int:
-    """Query rows per unit of the tiled path for one causal prompt of ``q_len`` tokens
-    (``k_len == q_len``) in a work dtype of ``elem`` bytes (2: the GPU compute mode in
-    float16/bfloat16; 4: float32), under ``budget_bytes``: what the planner picks
-    (``_prefix_plan.chunk_tokens``), at least one query tile."""
+    """Query rows per unit of the tiled path for one causal prompt of ``q_len`` tokens in a
+    work dtype of ``elem`` bytes (2: the GPU compute mode in float16/bfloat16; 4: float32),
+    under ``budget_bytes``: one absolute query tile (``_prefix_plan.Tiling.query_tile``,
+    whatever the budget: the budget sizes the key groups), at most ``q_len``."""
     work = {2: torch.float16, 4: torch.float32}[elem]
     til = tiling(heads, kv_heads, head_size, 16, work, budget_bytes, alibi=alibi)
-    keys = min(til.group_keys, ceil_div(max(q_len, k_len), til.key_tile) * til.key_tile)
-    return min(q_len, chunk_tokens(q_len, keys, keys, heads, kv_heads, head_size, til,
-                                   budget_bytes, alibi))
+    return min(q_len, til.query_tile)
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

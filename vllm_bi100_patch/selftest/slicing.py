@@ -8,7 +8,7 @@ through ``paged_prefix`` as vLLM would slice it (``steps``: ``(first, last)`` po
 in order; before each step the cache holds the earlier positions, written the way vLLM's
 ``reshape_and_cache`` writes them, and the block slots past them hold NaN), optionally with
 batch mates in the same calls; ``dense_rows`` computes the whole prompt in one call of the
-dense kernel.  Rows are compared with ``same_rows`` (bit for bit: ``torch.equal``).
+dense kernel.  Rows are compared with ``same_rows`` (bit for bit, as integers).
 """
 
 from __future__ import annotations
@@ -152,5 +152,9 @@ def dense_rows(p: Dict[str, torch.Tensor], *, device: str = "cpu",
 
 
 def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (values; no NaN anywhere)."""
-    return a.shape == b.shape and bool(torch.isfinite(a).all()) and torch.equal(a, b)
+    """Bit for bit, compared as integers (so the sign of zero counts: ``torch.equal`` holds
+    -0.0 == +0.0), no NaN anywhere."""
+    if a.shape != b.shape or a.dtype != b.dtype or not bool(torch.isfinite(a).all()):
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
