@@ -49,7 +49,7 @@ KEY_TILE = 256
 #: Query positions per tile of the tiled path (``Tiling.query_tile``): the key tile, halved
 #: (down to this) while one tile's working set over one key tile exceeds half the budget: a
 #: function of the model's shape and the budget, never of the call.
-MIN_QUERY_TILE = 16
+MIN_QUERY_TILE = 64
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
 SDPA_QUERY_TILE = 256

@@ -113,7 +113,6 @@ class TiledRunner:
                                              min(hi_all, (g + 1) * ks), hidden)
                     self._unit(seq, u, a, b, staged, state)
                 self._finish(seq, u, state, out, i0, dest)
-            self._close(seq, i0, i1, out, dest)
             return
         # Group by group, every tile's state kept: each group staged once.
         states = [_State(self, single=len(u.groups) == 1) for u in units]
@@ -126,7 +125,6 @@ class TiledRunner:
                     self._unit(seq, u, a, b, staged, state)
         for u, state in zip(units, states):
             self._finish(seq, u, state, out, i0, dest)
-        self._close(seq, i0, i1, out, dest)
 
     def _stage(self, seq: SeqSpan, g: int, a: int, b: int, hidden: Optional[int]
                ) -> "_Staged":
@@ -253,32 +251,19 @@ class TiledRunner:
         rows = out[seq.start + c0:seq.start + c1] if dest is None else dest[c0 - i0:c1 - i0]
         target = rows.view(n, kv, group, d).permute(1, 0, 2, 3)
         torch.div(res[..., :d], res[..., d:d + 1], out=target)
-        if self.check and self.til.shift == "self":
-            # The sums (inf: overflow; a row sum past the range with finite weighted sums
-            # would divide to 0) and the rows (NaN: 0/0, every score -inf, or a NaN input).
-            total = res[..., :d + 1].sum(dim=(0, 2, 3), dtype=torch.float32)
-            total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
-            self.checks.append((seq, c0, c1, total))
-            self._clamp(rows)
-
-    def _close(self, seq: SeqSpan, i0: int, i1: int, out: torch.Tensor,
-               dest: Optional[torch.Tensor]) -> None:
-        """After every tile of ``[i0, i1)``: with the ``"max"`` shift (weights <= 1: a row
-        sum is at most its keys x ``pv_alpha``, finite for up to 16.7e6 keys in float16, so
-        only the weighted sums can overflow, and then the row is inf or NaN) one check of
-        the rows, before the clamp, for the whole call."""
-        if self.til.shift == "self" and self.check:
-            return
-        rows = out[seq.start + i0:seq.start + i1] if dest is None else dest[:i1 - i0]
-        if self.check:
-            self.checks.append((seq, i0, i1, rows.sum(dim=(1, 2), dtype=torch.float32)))
-        self._clamp(rows)
-
-    @staticmethod
-    def _clamp(rows: torch.Tensor) -> None:
         if rows.dtype == torch.float16:
             top = torch.finfo(torch.float16).max
             rows.clamp_(-top, top)
+        if not self.check:
+            return
+        # The sums (inf where they overflowed, NaN for a NaN input) and the rows: NaN from
+        # 0/0 where every weight of a row is 0 (with either shift: every score below the
+        # half-precision range over several key groups leaves the running max at -inf), and
+        # with the "self" shift 0 where a row sum passed the range while its weighted sums
+        # did not.
+        total = res[..., :d + 1].sum(dim=(0, 2, 3), dtype=torch.float32)
+        total.add_(rows.sum(dim=(1, 2), dtype=torch.float32))
+        self.checks.append((seq, c0, c1, total))
 
     def recompute(self, out: torch.Tensor) -> int:
         """Rows whose weighted sums are not finite or whose weights are all 0 (scores or sums
