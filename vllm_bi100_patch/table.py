@@ -1,6 +1,7 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here plus its module in ``patches/`` (its factory, of the type
+Adding a patch is one row here (the serving rows: in ``_rows_serving``; ``Patch`` itself and
+the module names: ``_patch_row``) plus its module in ``patches/`` (its factory, of the type
 ``patches._common.Factory``, and for a conditional patch its ``when`` check) and its test.
 Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
 (``config``), the modules the bootstrap hooks (``_bootstrap``), the code checks and the
@@ -37,68 +38,19 @@ Row fields:
 
 from __future__ import annotations
 
+from ._patch_row import (  # re-exported: table.Patch, table.WRAP_METHOD, ...
+    BACKEND_UTILS as BACKEND_UTILS, GUARD_IMPORT as GUARD_IMPORT, LLM_ENGINE as LLM_ENGINE,
+    LOGITS as LOGITS, MODEL_RUNNER as MODEL_RUNNER, MQ_CLIENT as MQ_CLIENT,
+    PAGED_ATTN as PAGED_ATTN, PROTOCOL as PROTOCOL, REPLACE_CLASS as REPLACE_CLASS,
+    SCHEDULER as SCHEDULER, SEQUENCE as SEQUENCE, SERVING as SERVING,
+    WRAP_INSTANCE as WRAP_INSTANCE, WRAP_METHOD as WRAP_METHOD, XFORMERS as XFORMERS,
+    Patch as Patch)
+from ._rows_serving import ROWS as _SERVING_ROWS
+
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
 if TYPE_CHECKING:
-    from typing import Optional, Tuple
+    from typing import Tuple
 
-WRAP_METHOD = "wrap_method"
-WRAP_INSTANCE = "wrap_instance_method"
-GUARD_IMPORT = "guard_import"
-REPLACE_CLASS = "replace_class"
-
-
-class Patch:
-    """One row of the table (read-only by convention)."""
-
-    __slots__ = ("name", "kind", "target", "params", "factory", "when", "counters", "why", "how",
-                 "vllm", "upstream", "removal")
-
-    def __init__(self, name: str, kind: str, target: str, factory: str, *, why: str, how: str,
-                 vllm: str, upstream: str, removal: str, params: Optional[str] = None,
-                 when: Optional[str] = None, counters: Tuple[str, ...] = ()) -> None:
-        self.name, self.kind, self.target, self.factory = name, kind, target, factory
-        self.params, self.when, self.counters = params, when, counters
-        self.why, self.how, self.vllm, self.upstream, self.removal = (why, how, vllm, upstream,
-                                                                      removal)
-
-    @property
-    def module(self) -> str:
-        """The module the patch targets (hooked at import by the bootstrap)."""
-        return self.target.split(":", 1)[0]
-
-    @property
-    def owner(self) -> str:
-        """``Class`` of ``module:Class.attr`` or ``module:Class`` (methods, classes)."""
-        return self.target.split(":", 1)[1].rsplit(".", 1)[0]
-
-    @property
-    def attr(self) -> str:
-        """``attr`` of ``module:Class.attr`` (methods); ``Class`` of ``module:Class``."""
-        return self.target.split(":", 1)[1].rsplit(".", 1)[-1]
-
-    def __repr__(self) -> str:
-        return f"Patch({self.name!r}, {self.kind!r}, {self.target!r})"
-
-
-PAGED_ATTN = "vllm.attention.ops.paged_attn"
-XFORMERS = "vllm.attention.backends.xformers"
-BACKEND_UTILS = "vllm.attention.backends.utils"
-LOGITS = "vllm.model_executor.layers.logits_processor"
-SEQUENCE = "vllm.sequence"
-MODEL_RUNNER = "vllm.worker.model_runner"
-SCHEDULER = "vllm.core.scheduler"
-LLM_ENGINE = "vllm.engine.llm_engine"
-MQ_CLIENT = "vllm.engine.multiprocessing.client"
-PROTOCOL = "vllm.entrypoints.openai.protocol"
-SERVING = "vllm.entrypoints.openai.serving_engine"
-_SEQ_LIMIT_VLLM = ("0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being the same code; "
-                   "driven through vLLM's `Scheduler` and 0.6.3's OpenAI server app on both); "
-                   "not applied from 0.6.4 (parallel sampling as groups of one)")
-_SEQ_LIMIT_UPSTREAM = ("vLLM pull request #9302 (parallel sampling as separate sequence groups of "
-                       "one: `ParallelSampleSequenceGroup`), in 0.6.4")
-_SEQ_LIMIT_REMOVAL = ("when the oldest vLLM the shim supports is 0.6.4, or Iluvatar's build "
-                      "carries `ParallelSampleSequenceGroup` (the row then reports itself not "
-                      "needed)")
 _ALL_FAMILIES = "0.5.0 – 0.11.2 (every signature family; the methods are gone in 0.12.0)"
 
 PATCHES: Tuple[Patch, ...] = (
@@ -319,111 +271,7 @@ PATCHES: Tuple[Patch, ...] = (
                  "prefill chunk\"), in 0.6.5",
         removal="when the oldest vLLM the shim supports is 0.6.5, or Iluvatar's build carries "
                 "the fix (the row then reports itself not needed)"),
-    Patch(
-        "unschedulable_group", WRAP_INSTANCE, SCHEDULER + ":Scheduler._schedule_prefills",
-        "vllm_bi100_patch.patches.seq_limit:make_scheduler_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_scheduler",
-        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        counters=("unschedulable_group",),
-        why="a request asking for more parallel sequences (`n`, or `best_of`) than "
-            "`--max-num-seqs` can never be scheduled, and `_schedule_prefills` `break`s on "
-            "the head of the waiting queue when it does not fit the budget: that request and "
-            "every request behind it wait forever (one client stops the server; `n=2` under "
-            "`--max-num-seqs 1`, `n=257` under the default 256), with chunked prefill on or off",
-        how="before the original runs, a head of the waiting queue whose "
-            "`get_max_num_running_seqs()` exceeds `max_num_seqs` leaves the queue as ignored "
-            "(`FINISHED_IGNORED`, returned in `ignored_seq_groups`, one WARNING naming the "
-            "request, n and max_num_seqs), as vLLM does for a prompt over the limit; the "
-            "requests behind it are scheduled. The other `break`s of the loop (allocation "
-            "`LATER`, an exhausted budget, the delay) pass once running requests finish; "
-            "only where the method has the code shape it was checked against",
-        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
-    Patch(
-        "seq_limit_engine", WRAP_INSTANCE, LLM_ENGINE + ":LLMEngine.add_request",
-        "vllm_bi100_patch.patches.seq_limit:make_add_request_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_add_request",
-        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        counters=("seq_limit_engine",),
-        why="`LLMEngine.add_request` queues a request whose `n`/`best_of` exceeds "
-            "`max_num_seqs` although the scheduler can never run it",
-        how="refuses it before it is queued: `ValueError` naming the request, n (and "
-            "best_of) and max_num_seqs (vLLM's front end turns a `ValueError` into a 400); "
-            "only where the method has the code shape it was checked against",
-        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
-    Patch(
-        "seq_limit_client", WRAP_INSTANCE, MQ_CLIENT + ":MQLLMEngineClient.__init__",
-        "vllm_bi100_patch.patches.seq_limit:make_client_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_client",
-        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        why="the OpenAI server's front end (a separate process from the engine by default) "
-            "does not know `max_num_seqs`, so it cannot refuse such a request before it "
-            "answers a stream with 200",
-        how="records the engine configuration's `scheduler_config.max_num_seqs` when the "
-            "front end builds its engine client (`seq_limit_openai` reads it); nothing else "
-            "changes",
-        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
-    Patch(
-        "seq_limit_openai", WRAP_INSTANCE, SERVING + ":OpenAIServing._check_model",
-        "vllm_bi100_patch.patches.seq_limit:make_check_model_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_check_model",
-        when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        counters=("seq_limit_openai",),
-        why="the OpenAI server accepts a chat or completion request whose `n`/`best_of` "
-            "exceeds `max_num_seqs` (a stream is answered 200 before the engine refuses it)",
-        how="after the model check, such a request gets a 400 naming n (or best_of) and "
-            "max_num_seqs before anything is queued; the limit is the in-process engine's "
-            "(`--disable-frontend-multiprocessing`) or the one `seq_limit_client` recorded",
-        vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
-    Patch(
-        "chat_request_compat", REPLACE_CLASS, PROTOCOL + ":ChatCompletionRequest",
-        "vllm_bi100_patch.patches.chat_compat:make_request_class",
-        params="code:vllm_bi100_patch.patches.chat_compat:check",
-        when="vllm_bi100_patch.patches.chat_compat:compat_needed",
-        counters=("chat_request_compat", "chat_fields_ignored"),
-        why="vLLM 0.6.3's chat request (`extra=\"forbid\"`, CoreX 3.2.3's is the same file) "
-            "refuses what today's OpenAI clients send (`max_completion_tokens`, `store`, "
-            "`metadata`, `tools[].function.strict`, an echoed `reasoning_content` in a "
-            "message, `tool_choice: \"none\"`, object-form tool-call arguments, "
-            "`top_logprobs: 0`), ignores `response_format: json_schema` (output "
-            "unconstrained), streams usage on every chunk, and gives the `developer` role to "
-            "the chat template as is",
-        how="a subclass with one pydantic wrap validator rewrites the request body before "
-            "0.6.3's own validation, lossless mappings only (docs/serving-compat.md): "
-            "`max_completion_tokens` -> `max_tokens` (wins, #9837); harmless fields (`store`, "
-            "`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`, "
-            "`prediction`, `modalities: [\"text\"]`) and unknown message keys dropped, each "
-            "named once in a WARNING (#10463); `strict: false` dropped, `strict: true` kept "
-            "where `tool_choice` names the tool (0.6.3's guided decoding enforces its "
-            "parameters) else a 400 saying so; `tool_choice: \"none\"` drops the tools "
-            "(#10000), `\"required\"` a 400 naming it; object arguments -> their JSON text "
-            "(invalid JSON text a 400 naming where); `json_schema` -> `guided_json` (#9530); "
-            "`continuous_usage_stats` false unless asked (0.6.4); `developer` -> `system`; "
-            "`top_logprobs: 0` without `logprobs` dropped; `messages: []` and "
-            "`reasoning_effort`, `verbosity`, `audio`, other modalities a 400 naming them; "
-            "every other unknown field stays refused by name. Revert puts the original class "
-            "back in the module (a server app built meanwhile keeps the subclass)",
-        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being byte-identical; "
-             "proven with the `openai` client against 0.6.3's own server app on both); not "
-             "applied from 0.6.4 (`max_completion_tokens` is a field there)",
-        upstream="vLLM pull requests #9837, #10000, #9530 (0.6.4), #10463 (0.6.5); the "
-                 "`developer` role and object arguments: none",
-        removal="when the oldest vLLM the shim supports is 0.6.5"),
-    Patch(
-        "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
-        "vllm_bi100_patch.patches.chat_compat:make_error_wrapper",
-        params="code:vllm_bi100_patch.patches.chat_compat:check_error",
-        when="vllm_bi100_patch.patches.chat_compat:compat_needed",
-        counters=("error_message_cause",),
-        why="the front end answers `str(exception)` as a 400's message: an exception without "
-            "one (a remote image that timed out: `TimeoutError()`) gives a 400 with an empty "
-            "message",
-        how="an empty message is replaced by the exception being handled, named by its type "
-            "(`TimeoutError (raised without a message, ...)`), or one that says the server log "
-            "has it; other messages unchanged",
-        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3); not applied where "
-             "the chat row is not",
-        upstream="none (later releases still answer `str(e)`)",
-        removal="with `chat_request_compat`"),
+    *_SERVING_ROWS,
 )
 
 
