@@ -14,7 +14,7 @@ and an account table, for every row, timed or not (``tools/bench_cases.py``):
     model BI-V100 ms | model H200 ms  [| baseline ...] [| field launches | field bytes / minimal]
 
 Rows: ``decode BxN`` (B sequences of N tokens), ``prefix Bx(C+N)`` (C cached + N new tokens),
-``dense BxN`` (prompts of N tokens, ``kernels.dense.varlen_attention``, causal); the suffix
+``dense BxN`` (prompts of N tokens, ``kernels.prefill.dense.varlen_attention``, causal); the suffix
 names the formulation: none (what the device runs by default: on CPU float32 compute and
 the SDPA prefix path where allowed), ``tiled`` (the tiled prefix path in float32), ``native``
 (the GPU compute mode forced: half-precision GEMMs with float32 accumulation).

@@ -7,7 +7,7 @@ backend's own on the same prompts.
 Two tables:
 
 1. **CPU time** (medians of interleaved repeats, measured side by side in this run): the
-   shim's ``kernels.dense.varlen_attention`` (this CPU's formulation: float32) against what
+   shim's ``kernels.prefill.dense.varlen_attention`` (this CPU's formulation: float32) against what
    the XFormers backend calls without the opt-in on the stock wheels in the tests, the CPU
    stand-in of xformers (``tests/fakes/fake_xformers``: a float32 reference, vLLM's 5-D
    grouped-query layout and ``BlockDiagonalCausalMask``), and torch's fused
@@ -38,7 +38,9 @@ import torch  # noqa: E402
 from xformers.ops import fmha  # noqa: E402  (the tests' CPU stand-in)
 
 from tools.account import DEVICES, Account, predict  # noqa: E402
-from vllm_bi100_patch.kernels import _common, dense, prefix  # noqa: E402
+from vllm_bi100_patch.kernels import _common  # noqa: E402
+from vllm_bi100_patch.kernels.prefill import dense  # noqa: E402
+from vllm_bi100_patch.kernels.prefill import prefix  # noqa: E402
 
 try:  # CPU half-precision GEMMs in float32 for a fast account (same counts), where it exists
     from tools.account import HalfGemmsInFloat as _fast_gemms  # type: ignore[attr-defined]

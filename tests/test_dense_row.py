@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_bi100_patch import config, registry, table
-from vllm_bi100_patch.kernels import dense
+from vllm_bi100_patch.kernels.prefill import dense
 
 BACKEND = '''
 import sys

@@ -24,22 +24,72 @@ def _imports(path):
             yield node.level, node.module or ""
 
 
+def _kernel_modules():
+    """(path, depth below vllm_bi100_patch) of every kernels module, its packages' too."""
+    for path in sorted(glob.glob(os.path.join(PKG, "kernels", "**", "*.py"), recursive=True)):
+        yield path, os.path.relpath(path, PKG).count(os.sep)
+
+
+def _relative_targets(path):
+    """(level, dotted module) of each relative import: ``from . import x`` names ``x``."""
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.module:
+                yield node.level, node.module
+            else:
+                yield from ((node.level, a.name) for a in node.names)
+
+
 def test_kernels_import_only_torch_and_the_logger():
-    for path in glob.glob(os.path.join(PKG, "kernels", "*.py")):
+    for path, depth in _kernel_modules():
         for level, name in _imports(path):
             if level == 0:
                 assert name.split(".")[0] in ("torch", "math", "typing", "dataclasses",
                                               "__future__", "functools", "os",
                                               "collections"), (path, name)
-            elif level >= 2:
+            elif level > depth:  # out of kernels/: the package logger only
                 assert name == "_log", (path, name)
 
 
-def test_kernels_know_no_vllm_parameter_names():
-    for path in glob.glob(os.path.join(PKG, "kernels", "*.py")):
-        text = open(path, encoding="utf-8").read()
-        for word in VLLM_NAMES:
-            assert word not in text, (os.path.relpath(path, ROOT), word)
+def test_decode_and_prefill_stay_in_their_packages():
+    """A walk through decode never enters prefill, nor the other way round, and the shared
+    modules beside them use neither; nothing imports a kernels package's face from below."""
+    for path, depth in _kernel_modules():
+        here = os.path.relpath(path, os.path.join(PKG, "kernels")).split(os.sep)
+        package = here[0] if len(here) > 1 else None
+        if here == ["__init__.py"]:
+            continue  # kernels' face imports the packages it presents
+        for level, name in _relative_targets(path):
+            if level > depth:
+                continue
+            base = here[:-1][:len(here) - level]  # the importing package, ``level - 1`` up
+            target = base + name.split(".")
+            if package is None:
+                assert target[0] not in ("decode", "prefill"), (path, name)
+            else:
+                other = {"decode": "prefill", "prefill": "decode"}[package]
+                assert target[0] != other, (path, name)
+                assert target != [package], (path, "imports its own package's face")
+
+
+def test_no_module_imports_the_package_face():
+    """``vllm_bi100_patch/__init__.py`` is the top: no module of the package imports from it
+    (the version lives in ``_version``)."""
+    for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
+        depth = os.path.relpath(path, PKG).count(os.sep)
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom) and node.level == depth + 1 and not node.module:
+                names = {a.name for a in node.names}
+                assert "__version__" not in names and "apply" not in names, (path, names)
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module != "vllm_bi100_patch", path
+
+
+def test_leaf_modules_never_import_the_registry_or_doctor():
+    for leaf in ("ops_audit", "metrics_export", "metrics", "counters", "source", "config",
+                 "table", "versions", "hardware"):
+        for level, name in _imports(os.path.join(PKG, leaf + ".py")):
+            assert not (level == 1 and name.split(".")[0] in ("registry", "doctor")), (leaf, name)
 
 
 def test_the_native_decoder_never_imports_vllm():

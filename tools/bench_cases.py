@@ -141,9 +141,18 @@ class Kernels:
     common: Any
 
 
+def _kernel_module(package: str, name: str) -> Any:
+    """A kernels module of ``package`` (this tree or a baseline commit's): the prompt kernels
+    live in ``kernels.prefill`` now, at ``kernels``' top level in older commits."""
+    moved = {"prefix": "prefill.prefix", "dense": "prefill.dense"}.get(name, name)
+    try:
+        return importlib.import_module(f"{package}.kernels.{moved}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{package}.kernels.{name}")
+
+
 def _kernels(label: str, package: str) -> Kernels:
-    mods = {name: importlib.import_module(f"{package}.kernels.{name}")
-            for name in ("decode", "prefix", "dense", "_common")}
+    mods = {name: _kernel_module(package, name) for name in ("decode", "prefix", "dense", "_common")}
     return Kernels(label, mods["decode"].paged_decode, mods["prefix"].paged_prefix,
                    mods["dense"].varlen_attention, mods["prefix"], mods["_common"])
 

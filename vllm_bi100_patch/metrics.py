@@ -15,7 +15,7 @@ Two sources, read through one seam, ``snapshot()``:
   as ``calls_total{counter="<name>"}``, so a row added to the table is on /metrics at once;
 - ``TALLY``: what is counted for the metrics only: why each decode took its route and its
   ``max_seq_len`` (reported by the native decoder), prefix calls, tokens and float32 re-runs
-  by path (reported by the prefix kernel through ``kernels.prefix.PrefixStats``), and calls
+  by path (reported by the prefix kernel through ``kernels.prefill.prefix.PrefixStats``), and calls
   refused with an error (counted where the registry installs a row's wrapper).
 
 Names follow vLLM's (``vllm:`` and a colon) with the shim's own prefix ``vllm_bi100:``; the
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 from . import counters, table
 
 if TYPE_CHECKING:
-    from .kernels.prefix import PrefixStats
+    from .kernels.prefill.prefix import PrefixStats
 
 PREFIX = "vllm_bi100:"
 ROUTES = ("native_v1", "native_v2", "fallback")

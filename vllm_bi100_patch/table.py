@@ -161,11 +161,11 @@ PATCHES: Tuple[Patch, ...] = (
             "completion can change",
         how="only where the backend's `xops` is ixformer's and the method passes "
             "`xops.fmha.flash.FwOp()` as `op=`: head sizes above `VLLM_BI100_DENSE_HEAD_MAX` "
-            "(128) go to the pure-PyTorch varlen attention `kernels.dense` (causal, GQA, "
+            "(128) go to the pure-PyTorch varlen attention `kernels.prefill.dense` (causal, GQA, "
             "sliding window, ALiBi; encoder and cross-attention unmasked), tiled over queries "
             "under `VLLM_BI100_PREFIX_BUDGET_MB`; smaller heads keep the vendor kernel. With "
             "`VLLM_BI100_PROMPT_ATTENTION=shim` (opt-in) every head size goes to "
-            "`kernels.dense`, also on stock XFormers backends whose method has the checked "
+            "`kernels.prefill.dense`, also on stock XFormers backends whose method has the checked "
             "shape (its parameters, the `xops` call with `attn_bias=`, the reads the wrapper "
             "stands in for): every prompt and prefix attention is then the shim's, "
             "bit-identical however vLLM slices the prompt; another shape: the row is skipped "

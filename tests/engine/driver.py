@@ -402,7 +402,7 @@ def main(argv, scenarios=None) -> None:
 
         _common.FORCE_COMPUTE = opts.compute  # the kernels' test hooks
     if opts.path is not None:
-        from vllm_bi100_patch.kernels import prefix
+        from vllm_bi100_patch.kernels.prefill import prefix
 
         prefix.FORCE_PATH = opts.path
     for name in opts.scenarios or list(scenarios):

@@ -29,7 +29,7 @@ def formulation(request, monkeypatch):
 @pytest.fixture(params=["sdpa", "tiled"])
 def path(request, monkeypatch):
     """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
-    from vllm_bi100_patch.kernels import prefix
+    from vllm_bi100_patch.kernels.prefill import prefix
 
     _skip_half_without_cpu_gemm(request, request.param == "sdpa")
     monkeypatch.setattr(prefix, "FORCE_PATH", request.param)

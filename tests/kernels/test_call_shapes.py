@@ -28,7 +28,10 @@ from helpers.reference import cpu_half_gemm, make_cache
 from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_bi100_patch.kernels import _common, _prefix_sdpa, _prefix_tiled, paged_decode, prefix
+from vllm_bi100_patch.kernels import _common, paged_decode
+from vllm_bi100_patch.kernels.prefill import _sdpa as _prefix_sdpa
+from vllm_bi100_patch.kernels.prefill import _tiled as _prefix_tiled
+from vllm_bi100_patch.kernels.prefill import prefix
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 

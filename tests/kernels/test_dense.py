@@ -1,4 +1,4 @@
-"""``kernels.dense.varlen_attention``: packed prompts against the float64 reference, in every
+"""``kernels.prefill.dense.varlen_attention``: packed prompts against the float64 reference, in every
 formulation; tiles under the budget; clear errors."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from helpers.reference import TOLERANCE, attend, cpu_half_gemm, rel_error
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _common, dense
+from vllm_bi100_patch.kernels import _common
+from vllm_bi100_patch.kernels.prefill import dense
 
 LENS = [1, 23, 70, 8]
 

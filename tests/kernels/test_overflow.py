@@ -24,7 +24,8 @@ from helpers.reference import (
     rel_error,
 )
 
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix, prefix
+from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.kernels.prefill import prefix
 from vllm_bi100_patch.selftest.magnitudes import decode_from, large_magnitude_errors, magnitude_case
 
 

@@ -10,6 +10,6 @@ kernels and the routing between them and these live in ``vllm_bi100_patch.native
 """
 
 from .decode import DEFAULT_BUDGET_MB, paged_decode
-from .prefix import paged_prefix
+from .prefill import paged_prefix
 
 __all__ = ["DEFAULT_BUDGET_MB", "paged_decode", "paged_prefix"]

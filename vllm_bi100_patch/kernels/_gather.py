@@ -21,7 +21,7 @@ probability of exactly 0 does not cancel a NaN or inf value (``0 * nan = nan``),
 past a sequence's end, blocks read for padding columns and uninitialised fp8 bytes must
 not reach ``P.V``.  A stored 0 byte is +0.0 in every cache dtype.
 
-Token gathers (decode on devices, ``_decode_device``): one advanced-indexing op per tile
+Token gathers (decode on devices, ``decode._device``): one advanced-indexing op per tile
 chunk reads every position from its own ``(block, slot)``, so a position can be redirected
 to another token (the decode path sends hidden positions to a visible one instead of
 zeroing values), in the layout ``[tiles, S, kv, tile, D]`` whose ``(tile, sequence, kv

@@ -9,7 +9,7 @@ max, after the state has been rescaled by ``exp(m_old - m_new)``; the caller the
 kept in ``l_sum``.
 
 ``tree_sum`` merges partial results of absolute key tiles in an order that depends only on
-the tiles' indices (decode: ``_decode_tiles``).
+the tiles' indices (decode: ``decode._tiles``).
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ fails above head size 128: a causal bias raises, a mask returns wrong values sil
 - ``VLLM_BI100_PROMPT_ATTENTION=auto`` (default): applied only where the backend's ``xops`` is
   ixformer's and the method builds ``xops.fmha.flash.FwOp()`` and passes it as ``op=``; the
   wrapper sends head sizes above ``VLLM_BI100_DENSE_HEAD_MAX`` to
-  ``kernels.dense.varlen_attention`` (tiled under ``VLLM_BI100_PREFIX_BUDGET_MB``), smaller
+  ``kernels.prefill.dense.varlen_attention`` (tiled under ``VLLM_BI100_PREFIX_BUDGET_MB``), smaller
   heads keep the vendor kernel; stock vLLM (xformers' own kernels) is never patched.
 - ``VLLM_BI100_PROMPT_ATTENTION=shim`` (opt-in): applied also to stock XFormers backends whose
   method has the checked shape (``prompt_shape``: its parameters, the ``xops`` call with
   ``attn_bias=``, the sequence lengths and the attributes the wrapper reads), and every head
-  size goes to ``kernels.dense``: every prompt and prefix attention of the backend is then the
+  size goes to ``kernels.prefill.dense``: every prompt and prefix attention of the backend is then the
   shim's, so the rows of a prompt are bit-identical however vLLM slices it.  Where the shape
   differs the row is skipped with the reason and one WARNING (the guarantee does not hold:
   ``invariance.verdict`` says so).
@@ -30,7 +30,7 @@ import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import config
-from ..kernels import dense
+from ..kernels.prefill import dense
 from ..source import function_def, source_tree
 from ..strict import warn_once
 from ..versions import Family

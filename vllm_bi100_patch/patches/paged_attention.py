@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .. import config, hardware, metrics, native
 from ..kernels import paged_prefix
-from ..kernels.prefix import PrefixStats
+from ..kernels.prefill.prefix import PrefixStats
 from ..native import DecodeCall, NativeDecoder
 from ..versions import Family
 from ._common import ArgReader, Wrapper, counter

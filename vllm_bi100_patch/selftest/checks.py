@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..kernels import _common, paged_decode, paged_prefix, prefix
+from ..kernels import _common, paged_decode, paged_prefix
+from ..kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,

@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from ..kernels import _common, dense, paged_decode, paged_prefix, prefix
+from ..kernels import _common, paged_decode, paged_prefix
+from ..kernels.prefill import dense
+from ..kernels.prefill import prefix
 from .reference import TOLERANCE, ref_prefix, rel_error
 
 

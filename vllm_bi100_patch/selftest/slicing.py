@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels import dense, kv_write, paged_prefix
+from ..kernels import kv_write, paged_prefix
+from ..kernels.prefill import dense
 
 Steps = Sequence[Tuple[int, int]]
 

@@ -2,7 +2,7 @@
 
 This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).  A
 "unit" is a chunk of one sequence's query rows (padded to the query tile) against the keys
-of one absolute key group that those rows need (``_prefix_plan``): one ``Q.K^T`` writes the
+of one absolute key group that those rows need (``prefill._plan``): one ``Q.K^T`` writes the
 scores (the softmax scale is its ``alpha``; with the ``"self"`` shift the staged query and
 key carry ``-q.k_self`` and a one, so the product is already shifted), ALiBi and the masks
 are applied where needed (the ``"max"`` shift subtracts the running max), ``exp`` runs in
@@ -19,7 +19,7 @@ work (GPU): a chunk's keys run to its last row's key tile; a row's extra keys ar
 Per row, nothing depends on the slicing: key ranges are aligned on absolute key tiles,
 masked keys weigh exactly 0, a fully masked group adds exactly 0 and leaves its
 correction at 1 (or 0 before anything was seen), and a position's operands are staged
-identically whether cached or new (``_prefix_stage``).  What a matrix product's other rows
+identically whether cached or new (``prefill._stage``).  What a matrix product's other rows
 do to a row: nothing, on CPU (``tests/kernels/test_slicing_invariance.py``); a GPU library that
 picks its algorithm by shape might (``tests/kernels/device_checks.py`` shows it).
 
@@ -37,10 +37,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._log import log
-from ._common import ceil_div
-from ._prefix_plan import PrefixInputs, SeqSpan, Tiling, tiling, value_columns
-from ._prefix_stage import stage_keys, stage_values
+from ..._log import log
+from .._common import ceil_div
+from ._plan import PrefixInputs, SeqSpan, Tiling, tiling, value_columns
+from ._stage import stage_keys, stage_values
 
 __all__ = ["TiledRunner"]
 

@@ -4,15 +4,15 @@ Replaces vLLM's Triton ``context_attention_fwd``, which hangs Iluvatar BI-V100 c
 each sequence, its new tokens attend causally to the sequence's cached context (read from
 the paged cache) and to the new tokens up to themselves (read from ``key``/``value``).
 
-This module validates the call; ``_attend`` runs it, on the same code as the dense prompt
+This module validates the call; ``prefill._attend`` runs it, on the same code as the dense prompt
 attention (``dense.varlen_attention``): every query row's output is bit-identical however
 the prompt was sliced (one chunk, chunked prefill at any size, a prefix-cache hit of any
 length, any batch mates), and equal to the dense kernel's for the same prompt (see
-``_prefix_plan`` for the tiling that makes it so).  Paths, per row:
+``prefill._plan`` for the tiling that makes it so).  Paths, per row:
 
-- the SDPA path (``_prefix_sdpa``): CPU only, on a torch whose CPU flash kernel was
+- the SDPA path (``prefill._sdpa``): CPU only, on a torch whose CPU flash kernel was
   verified, float32/bfloat16, no ALiBi: absolute query tiles over contiguous K/V;
-- the tiled path (``_prefix_tiled``): everything else, and every GPU: plain matrix
+- the tiled path (``prefill._tiled``): everything else, and every GPU: plain matrix
   products and elementwise ops over absolute key tiles, peak memory under the budget
   whatever the context length.
 """
@@ -23,8 +23,8 @@ from typing import List, Optional
 
 import torch
 
-from .._log import log
-from ._common import (
+from ..._log import log
+from .._common import (
     ScaleLike,
     ceil_div,
     check_alibi,
@@ -34,7 +34,7 @@ from ._common import (
     scale_factor,
 )
 from ._attend import PrefixStats, attend
-from ._prefix_plan import PrefixInputs, SeqSpan, sdpa_path_ok
+from ._plan import PrefixInputs, SeqSpan, sdpa_path_ok
 
 __all__ = ["DEFAULT_BUDGET_MB", "PrefixStats", "alibi_window", "paged_prefix", "sdpa_path_ok"]
 

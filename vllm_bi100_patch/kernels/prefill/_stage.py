@@ -2,7 +2,7 @@
 the new tokens alike.
 
 ``stage_keys``/``stage_values`` fill K ``[kv, n, D (+ extra)]`` and V ``[kv, n, cols]`` (work
-dtype; the extra columns start with a one, see ``_prefix_plan.value_columns``) for positions
+dtype; the extra columns start with a one, see ``prefill._plan.value_columns``) for positions
 ``[a, b)``; ``key_parts`` gives the keys of a range without copying the cached ones:
 positions before the sequence's cached context end come from the paged cache (whole blocks,
 ``a`` is block-aligned), positions from there to the sequence's end from ``key``/``value``
@@ -23,10 +23,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._common import ceil_div, fp8_dtype
-from ._gather import gather_keys, gather_values
-from ._prefix_plan import PrefixInputs, SeqSpan
-from .kv_write import quantize_fp8
+from .._common import ceil_div, fp8_dtype
+from .._gather import gather_keys, gather_values
+from ._plan import PrefixInputs, SeqSpan
+from ..kv_write import quantize_fp8
 
 __all__ = ["key_parts", "new_tokens", "stage_keys", "stage_values"]
 

@@ -8,12 +8,12 @@ encoder/decoder cross-attention), with grouped-query heads (query head ``h`` rea
 xformers' local attention) and optional ALiBi slopes (bias ``slope[h] * (j - i)``, vLLM's
 ``_make_alibi_bias``; like vLLM's, the ALiBi path has no window: ``prefix.alibi_window``).
 
-Causal attention runs on the prefix kernel's code (``_attend``): a prompt is a prefix call
+Causal attention runs on the prefix kernel's code (``prefill._attend``): a prompt is a prefix call
 with an empty context, so every output row is bit-identical to the row the prefix kernel
 computes for the same token after any prefix-cache hit or in any chunk of a chunked
 prefill, in both compute modes.  Non-causal attention takes the tiled path with the running
 max shift (the same for every dtype; invariance there is per call only).  Work is tiled
-under ``budget_mb`` (``_prefix_plan``); inputs are never written.  Never imports vLLM.
+under ``budget_mb`` (``prefill._plan``); inputs are never written.  Never imports vLLM.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 
 from . import prefix
 from ._attend import attend
-from ._common import ScaleLike, scale_factor
-from ._prefix_plan import PrefixInputs, SeqSpan, tiling
-from .kv_write import FP8_CACHE_DTYPES
+from .._common import ScaleLike, scale_factor
+from ._plan import PrefixInputs, SeqSpan, tiling
+from ..kv_write import FP8_CACHE_DTYPES
 from .prefix import alibi_window
 
 __all__ = ["varlen_attention", "tile_rows"]
@@ -47,7 +47,7 @@ def tile_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_size: int,
               elem: int, budget_bytes: int, *, alibi: bool = False) -> int:
     """Query rows per unit of the tiled path for one causal prompt of ``q_len`` tokens in a
     work dtype of ``elem`` bytes (2: the GPU compute mode in float16/bfloat16; 4: float32),
-    under ``budget_bytes``: one absolute query tile (``_prefix_plan.Tiling.query_tile``,
+    under ``budget_bytes``: one absolute query tile (``prefill._plan.Tiling.query_tile``,
     whatever the budget: the budget sizes the key groups), at most ``q_len``."""
     work = {2: torch.float16, 4: torch.float32}[elem]
     til = tiling(heads, kv_heads, head_size, 16, work, budget_bytes, alibi=alibi)

@@ -3,7 +3,7 @@ fixed number of launches: every tile of every sequence goes through the same few
 
 A GPU in eager mode pays host time for every op (CoreX forces eager mode), so the op sequence
 does not loop over tiles: positions are cut into ``DEVICE_TILE_TOKENS``-token tiles at
-absolute positions (``_decode_tiles``) and each step below runs over all of them (over
+absolute positions (``decode._tiles``) and each step below runs over all of them (over
 ``TilePlan.chunk`` tiles per pass when the memory budget asks for passes; then only the two
 gathers and the two matrix products repeat per pass):
 
@@ -23,7 +23,7 @@ gathers and the two matrix products repeat per pass):
    (they sum to 1/2: ``P . V``, half a weighted mean of values, cannot overflow);
 4. values gathered like keys, ``P . V`` per tile, multiplied back by twice the tile sum into
    the tile's partial (float32) next to its ``sum(p)``; the partials merged by a pairwise
-   tree (``_decode_tiles.merge``) and divided (``_decode_tiles.finish``).
+   tree (``decode._tiles.merge``) and divided (``decode._tiles.finish``).
 
 No host read, no data-dependent shape: CUDA-graph capturable for a given ``max_seq_len``.
 """
@@ -35,9 +35,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._common import CacheSpec, ScaleLike, bounded_query, ceil_div
-from ._decode_tiles import Calls, TilePlan, finish, merge, plan_tiles
-from ._gather import gather_token_keys, gather_token_values
+from .._common import CacheSpec, ScaleLike, bounded_query, ceil_div
+from ._tiles import Calls, TilePlan, finish, merge, plan_tiles
+from .._gather import gather_token_keys, gather_token_values
 
 __all__ = ["DEVICE_TILE_TOKENS", "attend_device", "plan_device"]
 

@@ -7,7 +7,7 @@ the prefix kernel after a cache hit go through the same code with the same opera
 
 Path per row, never per call: on CPU (SDPA allowed: float32/bfloat16, no ALiBi, a float
 scale, a verified torch) rows whose SDPA tile (absolute, ``SDPA_QUERY_TILE`` positions)
-ends where its K/V still fit the budget (``_prefix_plan.sdpa_max_end``) take SDPA, the others
+ends where its K/V still fit the budget (``prefill._plan.sdpa_max_end``) take SDPA, the others
 the tiled path; everything else takes the tiled path.  ``FORCE_PATH`` (on the ``prefix``
 module: ``"sdpa"``/``"tiled"``) overrides it for tests and the benchmark.
 """
@@ -18,9 +18,9 @@ from typing import Iterable, Optional, Set
 
 import torch
 
-from .._log import log
-from ._common import work_dtype
-from ._prefix_plan import (
+from ..._log import log
+from .._common import work_dtype
+from ._plan import (
     PrefixInputs,
     SeqSpan,
     Tiling,
@@ -30,8 +30,8 @@ from ._prefix_plan import (
     stage_bytes,
     tiling,
 )
-from ._prefix_sdpa import sdpa_rows
-from ._prefix_tiled import TiledRunner
+from ._sdpa import sdpa_rows
+from ._tiled import TiledRunner
 
 __all__ = ["PrefixStats", "attend"]
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ._common import CacheSpec, ScaleLike, ceil_div
+from .._common import CacheSpec, ScaleLike, ceil_div
 
 __all__ = ["PrefixInputs", "SeqSpan", "Tiling", "chunk_tokens", "row_bytes", "sdpa_max_end",
            "sdpa_path_ok", "sdpa_tile_bytes", "stage_bytes", "tiling", "value_columns"]
@@ -186,7 +186,7 @@ def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: tor
            budget_bytes: int, *, causal: bool = True, alibi: bool = False) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
     K/V and scores for one query tile take at most half the budget (the tiles' float32
-    accumulators another quarter at most: ``_prefix_tiled``)."""
+    accumulators another quarter at most: ``prefill._tiled``)."""
     we = _elem(work)
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
     qt = kt  # halved (a divisor of KT) while one tile against one key tile is over budget/2

@@ -6,20 +6,20 @@ gathered width, i.e. ``max_seq_len``, the batch size and the memory budget only)
 
 Every sequence's positions are cut into tiles of one fixed size at absolute positions, each
 tile's partial result is kept, and the partials are merged in an order that depends only on
-the tiles' indices (``_decode_tiles``): a sequence's output is bit-identical whatever else is
+the tiles' indices (``decode._tiles``): a sequence's output is bit-identical whatever else is
 in the call (batch mates, their lengths, padding columns, the order of sequences), since
 every matrix product and reduction has the tile's shape and tiles past a sequence's end add
 exact zeros.  Two paths (``_common.compute_mode``):
 
-- devices (``"native"``, ``_decode_device``): half-precision products with float32
+- devices (``"native"``, ``decode._device``): half-precision products with float32
   accumulation, every tile at once: a fixed number of launches per call (about 30-40, the
   merge tree adding one per doubling of the width) while the memory budget allows one pass;
-- CPU (``"fp32"`` with the CPU tile layout, ``_decode_cpu``): float32 products, short tiles,
+- CPU (``"fp32"`` with the CPU tile layout, ``decode._cpu``): float32 products, short tiles,
   moderate passes, the CPU-tuned gathers of ``_gather``.
 
 (The ``"fp32"`` mode with the generic layout, a test formulation, runs the device path in
 float32.)  Work is split into passes so that the call's working set stays under ``budget_mb``
-(``_decode_tiles.TilePlan``); passes do not change the result by a bit.  No per-sequence
+(``decode._tiles.TilePlan``); passes do not change the result by a bit.  No per-sequence
 ``.item()``; value checks that read the lengths run in the CPU's compute mode only.
 """
 
@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import (
+from .._common import (
     CacheSpec,
     ScaleLike,
     as_count,
@@ -43,9 +43,9 @@ from ._common import (
     scale_factor,
     work_dtype,
 )
-from ._decode_cpu import attend_cpu, plan_cpu
-from ._decode_device import attend_device, plan_device
-from ._decode_tiles import Calls, TilePlan
+from ._cpu import attend_cpu, plan_cpu
+from ._device import attend_device, plan_device
+from ._tiles import Calls, TilePlan
 
 __all__ = ["DEFAULT_BUDGET_MB", "paged_decode", "plan_decode"]
 

@@ -1,7 +1,7 @@
 """Decode on CPUs (the float32 compute mode with the CPU tile layouts, ``_common``).
 
 The same absolute tiles, per-tile partials and merge tree as the device path
-(``_decode_tiles``), in CPU terms: tiles of ``CPU_TILE_TOKENS`` (short, since waste past a
+(``decode._tiles``), in CPU terms: tiles of ``CPU_TILE_TOKENS`` (short, since waste past a
 sequence's end is what costs on a CPU, not the number of ops) gathered in passes of at most
 about ``CPU_PASS_BYTES`` of float32 K or V (larger passes are slower: fresh allocations of
 tens of MiB are page-faulted in on every call), all matrix products in float32:
@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from ._common import CacheSpec, ScaleLike, ceil_div
-from ._decode_tiles import Calls, TilePlan, finish, merge, plan_tiles
-from ._gather import gather_keys, gather_values_blocks
+from .._common import CacheSpec, ScaleLike, ceil_div
+from ._tiles import Calls, TilePlan, finish, merge, plan_tiles
+from .._gather import gather_keys, gather_values_blocks
 
 __all__ = ["CPU_PASS_BYTES", "CPU_TILE_TOKENS", "attend_cpu", "plan_cpu"]
 

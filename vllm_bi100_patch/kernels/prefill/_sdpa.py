@@ -1,5 +1,5 @@
 """The SDPA path of the prefix and dense kernels (CPU only, see
-``_prefix_plan.sdpa_path_ok``).
+``prefill._plan.sdpa_path_ok``).
 
 A sequence's keys and values are gathered into one contiguous ``[kv_heads, positions,
 head_size]`` buffer in the query's dtype (the cached context from the paged cache, fp8
@@ -24,9 +24,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import CacheSpec, ScaleLike, ceil_div, to_float
-from ._prefix_plan import SDPA_QUERY_TILE, PrefixInputs, SeqSpan
-from ._prefix_stage import new_tokens
+from .._common import CacheSpec, ScaleLike, ceil_div, to_float
+from ._plan import SDPA_QUERY_TILE, PrefixInputs, SeqSpan
+from ._stage import new_tokens
 
 __all__ = ["sdpa_rows"]
 

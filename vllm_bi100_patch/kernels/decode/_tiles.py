@@ -1,6 +1,6 @@
 """Absolute key tiles, passes under a memory budget, and the final merge of ``paged_decode``.
 
-Both decode paths (``_decode_device``, ``_decode_cpu``) cut every sequence's positions into
+Both decode paths (``decode._device``, ``decode._cpu``) cut every sequence's positions into
 tiles of one fixed size (a multiple of the block size that depends on the compute path only,
 never on the batch), at absolute positions ``[t * tile, (t + 1) * tile)``, and keep each
 tile's partial result: ``sum(p * v)`` and ``sum(p)`` of its keys, with ``p = exp(score - M)``
@@ -21,8 +21,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ._common import ScaleLike, ceil_div
-from ._softmax import tree_sum
+from .._common import ScaleLike, ceil_div
+from .._softmax import tree_sum
 
 __all__ = ["Calls", "TilePlan", "finish", "merge", "plan_tiles"]
 
