@@ -64,9 +64,11 @@ def test_auto_mode_activates_and_reports_the_vendor_version(facts):
     assert st["mode"] == "auto" and st["active"] is True, st
     assert st["vllm_version"] == "0.6.3+corex.3.2.3" and st["family"] == "v0.5.5"
     assert set(st["activated_by"]) >= {"sitecustomize"}
-    assert sorted(st["patched"]) == ["forward_decode", "forward_prefix",
-                                    "get_output_token_ids_to_return", "swap_blocks",
-                                    "write_to_paged_cache"]  # vllm.sequence: row stream_delta
+    # vllm.sequence: row stream_delta; vllm.core.scheduler and vllm.engine.llm_engine (imported
+    # with the engine): unschedulable_group, seq_limit_engine
+    assert sorted(st["patched"]) == ["_schedule_prefills", "add_request", "forward_decode",
+                                    "forward_prefix", "get_output_token_ids_to_return",
+                                    "swap_blocks", "write_to_paged_cache"]
     assert "vllm-bi100-patch active: vLLM 0.6.3+corex.3.2.3" in log
 
 
