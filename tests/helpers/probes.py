@@ -18,6 +18,17 @@ from typing import Dict, Optional, Tuple
 TAG = "@@REPORT@@"
 
 
+def installed_vllm() -> str:
+    """The installed vLLM's version, as its metadata says; "" where none is installed (a
+    tests/real module collected by the unit session)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 def report(**kw):
     """Print one report line: the tag, then ``kw`` as JSON."""
     import json

@@ -6,19 +6,15 @@ wheel (no compiled kernels on CPU: every call falls back) and on the CoreX 3.2.3
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import pytest
-from helpers.probes import run_probe
+from helpers.probes import installed_vllm, run_probe
 
 pytestmark = pytest.mark.real_vllm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-try:
-    INSTALLED = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:  # collected by the unit session: no vLLM
-    INSTALLED = ""
+INSTALLED = installed_vllm()
 
 
 def _run(mode: str) -> dict:

@@ -7,21 +7,17 @@ All probes start at once (one server app per run, no model): a few seconds past 
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import subprocess
 import sys
 
 import pytest
-from helpers.probes import clean_env, reports
+from helpers.probes import clean_env, installed_vllm, reports
 
 pytestmark = pytest.mark.real_vllm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-try:
-    INSTALLED = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:  # collected by the unit session: no vLLM
-    INSTALLED = ""
+INSTALLED = installed_vllm()
 SHIM = {"VLLM_BI100_PATCH": "1"}
 STOCK = {"VLLM_BI100_PATCH": "0"}
 ROWS = ("unschedulable_group", "seq_limit_engine", "seq_limit_client", "seq_limit_openai",

@@ -4,20 +4,16 @@ the dtype on) are left as they are."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import pytest
-from helpers.probes import run_probe
+from helpers.probes import installed_vllm, run_probe
 
 pytestmark = pytest.mark.real_vllm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_XFORMERS = os.path.join(os.path.dirname(HERE), "fakes", "fake_xformers")
-try:
-    INSTALLED = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:  # collected by the unit session: no vLLM
-    INSTALLED = ""
+INSTALLED = installed_vllm()
 
 
 @pytest.fixture(scope="module")
