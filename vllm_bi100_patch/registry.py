@@ -27,6 +27,8 @@ from .rows import check_descriptor as check_descriptor
 from .rows import missing_classes as missing_classes
 from .rows import specs_for as specs_for
 from ._log import log
+from ._report import Report as Report  # re-exported: registry.Report
+from ._report import merge
 from .strict import PatchError as PatchError  # re-exported: registry.PatchError
 from .strict import raise_or_log
 from .strict import warn_once as warn_once  # re-exported
@@ -52,21 +54,6 @@ class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
                 f"{self.__wrapped__!r}>")
 
     __str__ = __repr__
-
-
-@dataclasses.dataclass
-class Report:
-    """What the last apply did; ``status()`` and the INFO line are built from it."""
-
-    vllm_version: Optional[str] = None
-    family: Optional[str] = None
-    applied: List[str] = dataclasses.field(default_factory=list)
-    skipped: Dict[str, str] = dataclasses.field(default_factory=dict)
-    checks: Dict[str, str] = dataclasses.field(default_factory=dict)
-    reason: Optional[str] = None
-
-    def as_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 _lock = threading.RLock()
@@ -195,7 +182,7 @@ def apply_to(module: types.ModuleType, settings: config.Settings, strict: bool =
         if report.reason is not None:
             report.reason += "; " + consequence()
         _module_reports[module.__name__] = report
-        _last_report = _merged()
+        _last_report = merge(_module_reports)
         if report.reason is not None:
             raise_or_log(report.reason, strict)
         return report
@@ -323,26 +310,6 @@ def revert_all() -> List[str]:
             rep.applied.clear()
         _last_report.applied.clear()
         return restored
-
-
-def _merged() -> Report:
-    """One report for every module patched: the modules' rows together; a module's reason
-    (why it was not patched) names the module when there are several."""
-    reports = list(_module_reports.items())
-    if len(reports) == 1:
-        return reports[0][1]
-    out = Report()
-    reasons = []
-    for name, rep in reports:
-        out.vllm_version = out.vllm_version or rep.vllm_version
-        out.family = out.family or rep.family
-        out.applied += rep.applied
-        out.skipped.update(rep.skipped)
-        out.checks.update(rep.checks)
-        if rep.reason is not None:
-            reasons.append(f"{name}: {rep.reason}")
-    out.reason = "; ".join(reasons) if reasons else None
-    return out
 
 
 def get_original(cls: type, attr: str) -> Any:
