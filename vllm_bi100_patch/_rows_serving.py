@@ -113,8 +113,8 @@ ROWS: Tuple[Patch, ...] = (
         removal="when the oldest vLLM the shim supports is 0.6.5"),
     Patch(
         "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
-        "vllm_bi100_patch.patches.chat_compat:make_error_wrapper",
-        params="code:vllm_bi100_patch.patches.chat_compat:check_error",
+        "vllm_bi100_patch.patches.error_cause:make_error_wrapper",
+        params="code:vllm_bi100_patch.patches.error_cause:check_error",
         when="vllm_bi100_patch.patches.chat_compat:compat_needed",
         counters=("error_message_cause",),
         why="the front end answers `str(exception)` as a 400's message: an exception without "

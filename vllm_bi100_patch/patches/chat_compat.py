@@ -1,7 +1,8 @@
 """What today's OpenAI clients send, served by vLLM 0.6.3's chat front end: lossless mappings.
 
-Catalogue entries: rows ``chat_request_compat`` and ``error_message_cause`` of
-``vllm_bi100_patch.table``; each mapping with its public source in ``docs/serving-compat.md``.
+Catalogue entry: row ``chat_request_compat`` of ``vllm_bi100_patch.table`` (its companion row
+``error_message_cause`` is ``patches/error_cause.py``); each mapping with its public source in
+``docs/serving-compat.md``.
 
 vLLM 0.6.3's ``ChatCompletionRequest`` (``vllm/entrypoints/openai/protocol.py``, byte-identical
 in CoreX 3.2.3) is a pydantic model with ``extra="forbid"``: FastAPI validates the request body
@@ -13,10 +14,6 @@ only what maps losslessly, drops only fields that change nothing a self-hosted s
 (each named once per process in a WARNING), and refuses, naming the field and why, what it
 cannot serve.  A field it does not know stays refused by 0.6.3 itself, by name.
 
-``error_message_cause``: 0.6.3 answers ``create_error_response(str(e))``; an exception without
-a message (``TimeoutError()`` of a remote image fetch) gives a 400 with an empty message.  The
-wrapper names the exception being handled instead.
-
 Never imports vLLM (pydantic is imported when the class is built: vLLM's front end has it).
 """
 
@@ -24,24 +21,22 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import threading
 import types
 import typing
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 from .. import config
 from .._log import log
 from ..versions import Family
 from . import code_shapes
-from ._common import Wrapper, counter
+from ._common import counter
 from .block_tables import fingerprint
 from .seq_limit import only_063
 
 OWNER = "ChatCompletionRequest"
 REWRITES = counter("chat_request_compat")
 IGNORED_CALLS = counter("chat_fields_ignored")
-ERRORS = counter("error_message_cause")
 
 #: Request fields that change nothing this server does: dropped, named once in a WARNING.
 IGNORED: Dict[str, str] = {
@@ -319,45 +314,5 @@ def make_request_class(family: Family, original: Any, module: types.ModuleType,
     return ChatCompletionRequest
 
 
-# --- error_message_cause ------------------------------------------------------------------
-
-ERROR_PARAMS = ("self", "message", "err_type", "status_code")
-ERROR_KNOWN: Dict[str, str] = {
-    "4e45ccf5d1389af8": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
-}
-
-
-def check_error(func: Callable[..., Any]) -> Optional[str]:
-    return code_shapes.shape_check(func, "OpenAIServing.create_error_response", ERROR_PARAMS,
-                                   ERROR_KNOWN)
-
-
-def _cause() -> str:
-    exc = sys.exc_info()[1]
-    if exc is None:
-        return "the request failed with an error without a message (see the server log)"
-    if str(exc).strip():
-        return f"{type(exc).__name__}: {exc}"
-    return (f"{type(exc).__name__} (raised without a message, as a remote image fetch that "
-            "timed out raises TimeoutError(); the server log has the traceback)")
-
-
-def make_error_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
-                       settings: config.Settings) -> Wrapper:
-    def create_error_response(wrapped: Callable[..., Any], instance: Any,
-                              args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        message = args[0] if args else kwargs.get("message")
-        if isinstance(message, str) and not message.strip():
-            ERRORS.add()
-            cause = _cause()
-            if args:
-                args = (cause,) + tuple(args[1:])
-            else:
-                kwargs = dict(kwargs, message=cause)
-        return wrapped(*args, **kwargs)
-
-    return create_error_response
-
-
 __all__: List[str] = ["IGNORED", "REFUSED", "RequestRefused", "rewrite", "compat_needed",
-                      "check", "make_request_class", "check_error", "make_error_wrapper"]
+                      "check", "make_request_class"]
