@@ -116,3 +116,11 @@ def test_code_checks_parse_source_through_the_neutral_module():
     for path in users:
         text = open(path, encoding="utf-8").read()
         assert "native import probe" not in text and "probe." not in text, path
+
+
+def test_every_package_module_fits_in_350_lines():
+    """A module a reader can hold in mind: at most 350 lines (issue 29)."""
+    long = {os.path.relpath(p, ROOT): n for p in glob.glob(os.path.join(PKG, "**", "*.py"),
+                                                           recursive=True)
+            if (n := len(open(p, encoding="utf-8").read().splitlines())) > 350}
+    assert not long, long

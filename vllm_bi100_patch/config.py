@@ -77,7 +77,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "tokens; `0` forces the fallback always."),
     Variable(PREFIX_BUDGET_MB, "256", "integer >= 1",
              "Peak extra memory (MiB) each pure-PyTorch kernel (decode, prefix, dense prompt) may "
-             "use per call; work is tiled to stay under it, whatever the context length."),
+             "use per call; work is tiled to stay under it, whatever the context length, down to "
+             "the least a prompt row needs: its scores over its whole context (2 bytes x 2 x "
+             "query heads per key on GPUs, 4 MiB at 262,144 keys and 4 heads; a WARNING names a "
+             "budget below it)."),
     Variable(SM_COUNT, "(device)", "integer >= 1",
              "SM count used by the V1/V2 decode rule; default: read from the device, 16 (BI-V100) "
              "when it cannot be read."),

@@ -109,7 +109,7 @@ def _same_calls(whole: Recorder, part: Recorder, what: Any) -> None:
                                          ("cpu-tiled", torch.float32),
                                          ("cpu-tiled", torch.float16),
                                          ("gpu", torch.bfloat16), ("gpu", torch.float16)])
-@pytest.mark.parametrize("variant", ["plain", "window", "alibi"])
+@pytest.mark.parametrize("variant", ["plain", "window", "alibi", "budget"])
 def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, monkeypatch):
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
@@ -124,6 +124,8 @@ def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, 
         kw["sliding_window"] = 300
     elif variant == "alibi":
         kw["alibi_slopes"] = torch.linspace(0.01, 0.05, heads)
+    elif variant == "budget":  # key groups of 256: tiles over several, tiles halving from 256
+        kw["budget_mb"] = 1
     whole = _recorded(monkeypatch, lambda: prefix_rows(p, [(0, length)], **kw))
     for steps in (chunked(length, 37), chunked(length, 256), chunked(length, 5)[:6],
                   hit(length, 256), hit(length, 512, 530), hit(length, 48, 49)):
@@ -131,6 +133,9 @@ def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, 
         _same_calls(whole, part, steps)
     dense = _recorded(monkeypatch, lambda: dense_rows(p, **kw))
     _same_calls(whole, dense, "dense")
+    if variant == "budget" and path == "tiled":  # tiles over two key groups were recorded
+        firsts = [key[1] for key in whole.calls if key[0] == "tiled"]
+        assert len(firsts) > len(set(firsts)), sorted(whole.calls)
 
 
 def test_a_float32_rerun_is_per_tile_and_the_same_calls(monkeypatch):

@@ -8,8 +8,9 @@ Rows are compared bit for bit as integers (the sign of zero counts) after the on
 computation, through ``helpers.slicing`` (which writes the cache as vLLM does and poisons every slot past the
 cached part with NaN).  ``selftest.checks.check_prefix_slicing_invariance`` (the package's) runs the
 same comparisons on a GPU.  Invariance holds for one memory budget (the kernels' key groups
-follow ``VLLM_BI100_PREFIX_BUDGET_MB``, a per-server setting), every comparison here uses the
-default.  The property runs at one thread and at the default thread count; that it holds
+and tile sizes follow ``VLLM_BI100_PREFIX_BUDGET_MB``, a per-server setting): every comparison
+here uses the default, but one that uses 1 MiB (tiles over several key groups, tile sizes
+halving along the prompt).  The property runs at one thread and at the default thread count; that it holds
 by construction, not by one machine's BLAS, is ``test_call_shapes.py``'s proof.
 """
 
@@ -101,6 +102,25 @@ def test_slicings_and_batch_mates(setup, dtype, variant, monkeypatch):
         rows = prefix_rows(p, steps, mates=mates, seed=len(steps), **kw)
         assert same_rows(rows, whole[steps[0][0]:]), (steps, mates)
     assert same_rows(dense_rows(p, **kw), whole)
+
+
+@pytest.mark.parametrize("setup,dtype", [("cpu-tiled", torch.float32), ("gpu", torch.float16),
+                                         ("gpu", torch.bfloat16)])
+def test_small_budget_tiles_over_several_key_groups(setup, dtype, monkeypatch):
+    """1 MiB: key groups of 256 positions (a tile's row spans two or three: its scores kept
+    while K is staged group by group, its ``P.V`` added in group order) and tile sizes
+    halving from 128 to 32 over the prompt; the rows are the same in every slicing."""
+    if dtype == torch.float16 and not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    _setup(monkeypatch, setup)
+    length = 700
+    p = prompt(length, 4, 2, 32, dtype, seed=7)
+    whole = prefix_rows(p, [(0, length)], budget_mb=1)
+    for steps, mates in ((chunked(length, 37), 1), (hit(length, 496), 0),
+                         (hit(length, 512, 530), 2), (chunked(length, 256), 0)):
+        rows = prefix_rows(p, steps, mates=mates, seed=len(steps), budget_mb=1)
+        assert same_rows(rows, whole[steps[0][0]:]), (steps, mates)
+    assert same_rows(dense_rows(p, budget_mb=1), whole)
 
 
 @pytest.mark.skipif(not fp8_available(), reason="torch without float8 dtypes")

@@ -214,8 +214,8 @@ def compute_mode(device: torch.device) -> str:
     error this adds is what the kernels' tests bound per dtype, on CPU, with this mode
     forced.  Nothing rounded to float16 may overflow (its range ends at 65,504): decode
     bounds the query (``bounded_query``) and normalises each tile's probabilities, the
-    tiled prefix scales each float16 value tile by a power of two and recomputes in
-    float32 a sequence whose float16 scores overflowed (see those modules;
+    tiled prefix normalises each row's weights (one softmax over its query tile's row)
+    and recomputes in float32 a row whose float16 scores overflowed (see those modules;
     ``docs/bi100-limits.md`` states what is guaranteed).  ``FORCE_COMPUTE`` overrides the
     choice (tests and the benchmark).
     """

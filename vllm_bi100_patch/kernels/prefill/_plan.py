@@ -15,8 +15,8 @@ or its batch mates.
   has no query) against its own key range ``[lo, tile end)`` (``lo`` 0, or the window's
   start aligned down to ``key_tile``), never beside another tile's rows.
 - ``Tiling.group_keys`` (KS): keys are staged in absolute groups ``[g KS, (g + 1) KS)``
-  (K for the scores, then V for ``P.V``): KS bounds the staged K/V (``stage_bytes``) under a
-  quarter of the budget.  Staged K/V live at their offset in the group (buffers of KS
+  (K for the scores, then V for ``P.V``): KS bounds the staged K/V (``stage_bytes``) under
+  three eighths of the budget.  Staged K/V live at their offset in the group (buffers of KS
   positions).  A tile's scores over several groups are written into one row buffer, column
   ranges by group; its ``P.V`` is one product per group, added in group order.
 - ``SDPA_QUERY_TILE``: the SDPA path runs queries in absolute tiles of this many positions.
@@ -214,13 +214,15 @@ def tile_bytes(size: int, keys: int, heads: int, work_elem: int) -> int:
 def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
            budget_bytes: int, *, window: Optional[int] = None) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
-    K/V take at most a quarter of the budget, query tiles whose whole score row takes at most
-    half of it (on GPUs at most ``GPU_TILE_BYTES``)."""
+    K/V take at most three eighths of the budget, query tiles whose whole score row (scores
+    and probabilities) takes at most as much (on GPUs at most ``GPU_TILE_BYTES``); the
+    per-tile buffers of a wave take the last quarter (``prefill._tiled``)."""
     we = _elem(work)
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
     per_key = stage_bytes(1, kv_heads, head_size, we)
-    groups = max(1, min(MAX_GROUP_KEYS // kt, (budget_bytes // 4) // (per_key * kt)))
-    cap = budget_bytes // 2
+    share = budget_bytes * 3 // 8
+    groups = max(1, min(MAX_GROUP_KEYS // kt, share // (per_key * kt)))
+    cap = share
     if we == 2:
         cap = min(cap, GPU_TILE_BYTES)
     row_elem = tile_bytes(1, 1, heads, we)

@@ -44,8 +44,10 @@ from ._stage import stage_keys, stage_values
 __all__ = ["TiledRunner"]
 
 #: Test hook: called with ``("tiled", tile's first position, first key, end key, work dtype)``
-#: before each product (``tests/kernels/test_call_shapes.py`` attributes the calls it records).
+#: before each product and softmax (``tests/kernels/test_call_shapes.py`` attributes the
+#: calls it records).
 TRACE: Optional[Callable[[tuple], None]] = None
+
 
 class TiledRunner:
     """The tiled path for one call (buffers reused across waves and sequences)."""
@@ -116,7 +118,8 @@ class TiledRunner:
         if wave[0].spanning:
             out = self._spanning(seq, wave, q, res, o, groups, hidden)
         else:  # every tile over one group: stage it, then each of its tiles' three calls
-            s = self._buf("s", max(kv * t.size * g * t.keys for t in wave), til.work)
+            most = max(kv * t.size * g * t.keys for t in wave)
+            s, p = self._buf("s", most, til.work), self._buf("p", most, til.work)
             for grp in groups:
                 members = [i for i, t in enumerate(wave) if t.g0 == grp]
                 if not members:
@@ -126,7 +129,8 @@ class TiledRunner:
                     t = wave[i]
                     row = s[:kv * t.size * g * t.keys].view(kv, t.size * g, t.keys)
                     self._scores(t, q[i], keys, grp, row)
-                    self._values(t, self._softmax(seq, t, row), values, grp, res.tile(o, i))
+                    probs = self._softmax(seq, t, row, p[:row.numel()].view(row.shape))
+                    self._values(t, probs, values, grp, res.tile(o, i))
             out = o
         self._finish(seq, res, out, a, b, target, row0)
 
@@ -213,11 +217,17 @@ class TiledRunner:
         k = keys[:, a - grp * ks:b - grp * ks]
         row[:, :, a - t.lo:b - t.lo].baddbmm_(q, k.transpose(1, 2), beta=0, alpha=alpha)
 
-    def _softmax(self, seq: SeqSpan, t: Tile, row: torch.Tensor) -> torch.Tensor:
-        """Bias, masks and the softmax of a whole score row (weights, same shape)."""
+    def _softmax(self, seq: SeqSpan, t: Tile, row: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Bias, masks and the softmax of a whole score row: its weights (into ``out``, a
+        buffer of the row's shape, when given: a CPU pays for every fresh allocation)."""
         self._bias_and_mask(seq, t.first, t.lo, t.keys, t.size,
                             row.view(self.kv, t.size, self.group, t.keys))
-        return torch.softmax(row, dim=-1)
+        if TRACE is not None:
+            TRACE(("tiled", t.first, t.lo, t.hi, self.til.work))
+        if out is None:
+            return torch.softmax(row, dim=-1)
+        return torch.ops.aten._softmax.out(row, -1, False, out=out)
 
     def _values(self, t: Tile, probs: torch.Tensor, values: torch.Tensor, grp: int,
                 o: torch.Tensor) -> None:

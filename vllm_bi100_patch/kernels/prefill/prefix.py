@@ -13,8 +13,8 @@ length, any batch mates), and equal to the dense kernel's for the same prompt (s
 - the SDPA path (``prefill._sdpa``): CPU only, on a torch whose CPU flash kernel was
   verified, float32/bfloat16, no ALiBi: absolute query tiles over contiguous K/V;
 - the tiled path (``prefill._tiled``): everything else, and every GPU: plain matrix
-  products and elementwise ops over absolute key tiles, peak memory under the budget
-  whatever the context length.
+  products, one softmax per absolute query tile and elementwise ops, peak memory under the
+  budget (down to tiles of one query row: a row's scores over its whole context).
 """
 
 from __future__ import annotations
