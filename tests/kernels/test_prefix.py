@@ -174,9 +174,9 @@ def test_sdpa_path_chosen_per_tile_and_accounted(kv_cache_dtype, monkeypatch):
     rows = {"sdpa": 0, "tiled": 0}
     real_sdpa, real_run = _attend.sdpa_rows, _attend.TiledRunner.run
 
-    def sdpa_spy(inp, seq, n, out):
+    def sdpa_spy(inp, seq, n, out, *rest):
         rows["sdpa"] += n
-        return real_sdpa(inp, seq, n, out)
+        return real_sdpa(inp, seq, n, out, *rest)
 
     def run_spy(self, seq, out, i0=0, i1=-1, dest=None):
         rows["tiled"] += (seq.q_len if i1 < 0 else i1) - i0

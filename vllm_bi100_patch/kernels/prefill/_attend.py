@@ -93,7 +93,7 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
             continue
         split = min(seq.q_len, max(0, sdpa_end - seq.ctx)) if sdpa else 0
         if split:
-            sdpa_rows(inp, seq, split, out)
+            sdpa_rows(inp, seq, split, out, None if force == "sdpa" else sdpa_end)
         if split < seq.q_len:
             _warn_small_budget(til, heads, kv, d, budget, seq.end)
             runner.run(seq, out, split)

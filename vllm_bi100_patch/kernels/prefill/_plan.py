@@ -8,12 +8,13 @@ or its batch mates.
 
 - Query tiles (``Tiling.tile_of``): positions are cut into absolute tiles whose size is a
   function of the position alone: ``Tiling.bands`` lists ``(first position, tile size)``,
-  tile sizes halving (from ``QUERY_TILE_MAX`` of the compute mode down to
-  ``MIN_QUERY_TILE``) where a tile's whole score row (``tile_bytes``: its scores and
-  probabilities over every key it sees) would pass the call's score budget.  A tile is the
-  unit of every matrix product and softmax: its rows (padded with zero rows where the call
-  has no query) against its own key range ``[lo, tile end)`` (``lo`` 0, or the window's
-  start aligned down to ``key_tile``), never beside another tile's rows.
+  sizes growing with the position from ``QUERY_TILE_FIRST`` to ``QUERY_TILE_MAX`` of the
+  compute mode, then halving (down to ``MIN_QUERY_TILE``) where a tile's whole score row
+  (``tile_bytes``: its scores and probabilities over every key it sees) would pass the
+  call's score budget.  A tile is the unit of every matrix product and softmax: its rows
+  (padded with zero rows where the call has no query) against its own key range
+  ``[lo, tile end)`` (``lo`` 0, or the window's start aligned down to ``key_tile``), never
+  beside another tile's rows.
 - ``Tiling.group_keys`` (KS): keys are staged in absolute groups ``[g KS, (g + 1) KS)``
   (K for the scores, then V for ``P.V``): KS bounds the staged K/V (``stage_bytes``) under
   three eighths of the budget.  Staged K/V live at their offset in the group (buffers of KS

@@ -1,8 +1,9 @@
 """The SDPA path of the prefix and dense kernels (CPU only, see
 ``prefill._plan.sdpa_path_ok``).
 
-A sequence's keys and values are gathered into one contiguous ``[kv_heads, positions,
-head_size]`` buffer in the query's dtype (the cached context from the paged cache, fp8
+A sequence's keys and values are gathered into one head-major ``[kv_heads, positions,
+head_size]`` buffer in the query's dtype (its head stride the SDPA path's capacity, a
+function of the budget) (the cached context from the paged cache, fp8
 caches dequantised; then the new tokens, rounded through fp8 like the cache write when the
 cache is fp8; zeros past the sequence's end).  Queries run in absolute tiles of
 ``SDPA_QUERY_TILE`` positions: one ``scaled_dot_product_attention`` per tile (``enable_gqa``),
@@ -12,9 +13,9 @@ causal/sliding-window mask.  So every call that contains a position gives the fl
 the same shapes, strides and buffer alignment for it (its blocking depends on them) and the
 same operands: the position's output row is the same however the prompt was sliced (the
 query tile is always a copy into one zero-padded buffer, the mask made per tile, the keys
-and values a slice of position-major buffers: the same strides whatever the call's
-length).  Only the first ``context`` cached slots
-are copied: nothing past a sequence's end is read into the buffer.
+and values a slice of buffers whose strides do not depend on the call's length).  Only the
+first ``context`` cached slots are copied: nothing past a sequence's end is read into the
+buffer.
 """
 
 from __future__ import annotations
@@ -34,18 +35,25 @@ __all__ = ["sdpa_rows"]
 TRACE: Optional[Callable[[tuple], None]] = None
 
 
-def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor) -> None:
-    """Attend the sequence's first ``rows`` query rows; writes their rows of ``out``."""
+def sdpa_rows(inp: PrefixInputs, seq: SeqSpan, rows: int, out: torch.Tensor,
+              capacity: Optional[int] = None) -> None:
+    """Attend the sequence's first ``rows`` query rows; writes their rows of ``out``.
+    ``capacity``: the positions the SDPA path may reach (``prefill._plan.sdpa_max_end``),
+    the K/V buffers' head stride; ``None`` (the path forced beyond the budget) takes the
+    call's own length."""
     query, qt = inp.query, SDPA_QUERY_TILE
     kv, d, dtype = inp.kv_heads, inp.head_size, query.dtype
     start, ctx = seq.start, seq.ctx
     assert isinstance(inp.q_scale, float) and seq.causal
     t0, t1 = ctx // qt, ceil_div(ctx + rows, qt)
     tokens = t1 * qt
-    # Position-major storage seen as [kv, tokens, D]: a tile's K/V slice has the same strides
-    # (and its offset depends on the tile only) whatever the call's length.
-    keys = torch.empty((tokens, kv, d), dtype=dtype, device=query.device).transpose(0, 1)
-    values = torch.empty((tokens, kv, d), dtype=dtype, device=query.device).transpose(0, 1)
+    # Head-major [kv, capacity, D], each head's keys contiguous (what the flash kernel reads
+    # fastest), the head stride a function of the budget only: a tile's K/V slice has the
+    # same strides (its offset depends on the tile only) whatever the call's length.  Only
+    # the positions below ``tokens`` are ever written.
+    cap = max(tokens, capacity or 0)
+    keys = torch.empty((kv, cap, d), dtype=dtype, device=query.device)[:, :tokens]
+    values = torch.empty((kv, cap, d), dtype=dtype, device=query.device)[:, :tokens]
     if ctx > 0:
         assert inp.spec is not None and seq.table is not None
         ids = seq.table[:ceil_div(ctx, inp.spec.block_size)]
