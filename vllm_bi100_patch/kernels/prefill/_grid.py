@@ -110,6 +110,17 @@ class Layout:
             i = j
 
 
+    def pairs(self, flat: torch.Tensor, a: int, b: int, rows: torch.Tensor
+              ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """The views of the buffer ``flat`` and of ``rows`` (``[b - a, kv * group, X']``, the
+        call's positions ``[a, b)``) that hold the same positions, at most three per run."""
+        for i, run in self.runs(flat):
+            t = self.wave[i]
+            r0, r1 = max(a, t.first), min(b, t.first + run.shape[0] * t.size)
+            yield from grid_rows(run, segments(t.first, t.size, r0, r1), rows[r0 - a:r1 - a],
+                                 self.kv, self.group)
+
+
 def segments(first: int, size: int, a: int, b: int) -> List[Tuple[int, int, int, int]]:
     """Positions ``[a, b)`` of a run of tiles of ``size`` starting at ``first`` as
     ``(first tile, end tile, first row, end row)`` pieces: whole tiles together, a partial

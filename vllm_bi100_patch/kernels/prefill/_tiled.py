@@ -37,7 +37,7 @@ import torch
 
 from ..._log import log
 from .._common import ceil_div
-from ._grid import Layout, Tile, grid_rows, segments, waves
+from ._grid import Layout, Tile, waves
 from ._plan import PrefixInputs, SeqSpan, Tiling, value_columns
 from ._stage import stage_keys, stage_values
 
@@ -194,13 +194,8 @@ class TiledRunner:
         if a > wave[0].first or b < wave[-1].first + wave[-1].size:
             q.zero_()
         base = seq.ctx if seq.causal else 0
-        for i, run in lay.runs(q):
-            t = wave[i]
-            r0, r1 = max(a, t.first), min(b, t.first + run.shape[0] * t.size)
-            rows = inp.query[seq.start + r0 - base:seq.start + r1 - base]
-            for grid, part in grid_rows(run, segments(t.first, t.size, r0, r1), rows,
-                                        self.kv, self.group):
-                grid.copy_(part)
+        for grid, part in lay.pairs(q, a, b, inp.query[seq.start + a - base:seq.start + b - base]):
+            grid.copy_(part)
         if not isinstance(inp.q_scale, float):
             q.mul_(inp.q_scale)
         return [lay.tile(q, i) for i in range(len(wave))]
@@ -289,14 +284,10 @@ class TiledRunner:
                 target: torch.Tensor, row0: int) -> None:
         """Rows ``[a, b)`` as weighted sums over weight sums (the ones column) into
         ``target`` (row ``i`` is position ``row0 + i``)."""
-        d, wave = self.d, res.wave
+        d = self.d
         rows = target[a - row0:b - row0]
-        for i, run in res.runs(flat):
-            t = wave[i]
-            r0, r1 = max(a, t.first), min(b, t.first + run.shape[0] * t.size)
-            for grid, part in grid_rows(run, segments(t.first, t.size, r0, r1),
-                                        rows[r0 - a:r1 - a], self.kv, self.group):
-                torch.div(grid[..., :d], grid[..., d:d + 1], out=part)
+        for grid, part in res.pairs(flat, a, b, rows):
+            torch.div(grid[..., :d], grid[..., d:d + 1], out=part)
         if self.check:
             # Not finite where a score overflowed (its softmax is NaN), an input is not
             # finite, or a float16 mean within 2**-10 of 65,504 was rounded past it (the
