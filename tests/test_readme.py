@@ -98,3 +98,56 @@ def test_doctor_exit_codes_and_server_check_are_documented():
     operating = _read("docs/operating.md")
     for heading in ("## Strict mode", "## Reverting", "## When it cannot patch"):
         assert heading in operating
+
+
+def test_every_readme_command_has_a_runner_in_ci():
+    """Every ```bash block of the README is run by the ``readme`` nox session (a default
+    session, so CI): a new block without a runner fails here, before any install."""
+    from tools import readme_commands
+
+    found = readme_commands.blocks()
+    assert len(found) >= 6
+    plan = readme_commands.Plan(found)  # raises on a block without a runner
+    assert plan["demo"].text == "python3 -m pip install -q 'nox==2026.10.20' 'uv==0.13.9' " \
+                                "&& python3 -m nox -s demo"
+    sessions = _nox_default_sessions()
+    assert '"readme"' in sessions and re.search(r"^def readme\(session", _read("noxfile.py"), re.M)
+
+
+def test_a_readme_block_without_a_runner_fails_the_plan():
+    from tools import readme_commands
+
+    text = _readme() + "\n## Something new\n\n```bash\nvllm-bi100-patch new-verb\n```\n"
+    try:
+        readme_commands.Plan(readme_commands.blocks(text))
+    except SystemExit as exc:
+        assert "Something new" in str(exc)
+    else:
+        raise AssertionError("a README block without a runner passed the plan")
+
+
+def test_the_one_liner_check_compares_what_the_readme_prints():
+    from tools import readme_commands
+
+    plan = readme_commands.Plan(readme_commands.blocks())
+    expected = plan["one-liner"].comments()[0]
+    printed = ("WARNING vLLM logs first\n" + expected.replace("0x...", "0x7f21f44e6660"))
+    readme_commands._expect(printed, expected, "wrapper")
+    try:
+        readme_commands._expect(printed.replace("vllm-bi100-patch wrapper", "plain"),
+                                expected, "wrapper")
+    except SystemExit:
+        pass
+    else:
+        raise AssertionError("another printed line passed as the README's")
+
+
+def _nox_default_sessions():
+    import ast
+
+    tree = ast.parse(_read("noxfile.py"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr == "sessions" for t in node.targets):
+            return ast.get_source_segment(_read("noxfile.py"), node.value)
+    raise LookupError("nox.options.sessions not found")
