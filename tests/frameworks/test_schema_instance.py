@@ -1,7 +1,7 @@
 """The engine stand-in's schema instances (schema_instance.py): every instance validates under its
 schema (jsonschema) and, for pydantic's schemas, as the model; what cannot be satisfied
 exactly is refused.  Runs in the frameworks session (its vLLM venv has pydantic 2 and
-jsonschema, both vLLM 0.6.3 dependencies)."""
+jsonschema, both vLLM 0.6.3 dependencies; the tests import them)."""
 
 from __future__ import annotations
 
@@ -20,55 +20,56 @@ from schema_instance import Unsupported, instance  # noqa: E402
 
 pytestmark = pytest.mark.frameworks
 
-pydantic = pytest.importorskip("pydantic")
-jsonschema = pytest.importorskip("jsonschema")
-BaseModel, Field = pydantic.BaseModel, pydantic.Field
+def _models():
+    """pydantic models whose schemas have what pydantic emits (imported here: the unit session
+    collects this module without pydantic and deselects it by its marker)."""
+    from pydantic import BaseModel, Field
+
+    class Colour(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Point(BaseModel):
+        x: int = Field(ge=-5, le=-2)
+        y: float = Field(gt=0.5, lt=2)
+
+    class Circle(BaseModel):
+        kind: Literal["circle"]
+        centre: Point
+        radius: float = Field(ge=1)
+
+    class Square(BaseModel):
+        kind: Literal["square"]
+        side: int
+
+    class Everything(BaseModel):
+        name: str = Field(min_length=12, max_length=14)
+        code: str = Field(max_length=3)
+        colour: Colour
+        shape: Union[Circle, Square]
+        shapes: List[Square] = Field(min_length=2)
+        pair: Tuple[int, str]
+        counts: Dict[str, int]
+        when: datetime.datetime
+        day: datetime.date
+        ident: uuid.UUID
+        flag: bool
+        maybe: Optional[Point] = None
+        tags: List[str] = []
+
+    class Tree(BaseModel):
+        label: str
+        children: List["Tree"] = []
+
+    Tree.model_rebuild()
+    return {m.__name__: m for m in (Point, Circle, Everything, Tree)}
 
 
-class Colour(str, enum.Enum):
-    red = "red"
-    blue = "blue"
+@pytest.mark.parametrize("name", ["Point", "Circle", "Everything", "Tree"])
+def test_an_instance_of_a_pydantic_schema_is_a_valid_model(name):
+    import jsonschema
 
-
-class Point(BaseModel):
-    x: int = Field(ge=-5, le=-2)
-    y: float = Field(gt=0.5, lt=2)
-
-
-class Circle(BaseModel):
-    kind: Literal["circle"]
-    centre: Point
-    radius: float = Field(ge=1)
-
-
-class Square(BaseModel):
-    kind: Literal["square"]
-    side: int
-
-
-class Everything(BaseModel):
-    name: str = Field(min_length=12, max_length=14)
-    code: str = Field(max_length=3)
-    colour: Colour
-    shape: Union[Circle, Square]
-    shapes: List[Square] = Field(min_length=2)
-    pair: Tuple[int, str]
-    counts: Dict[str, int]
-    when: datetime.datetime
-    day: datetime.date
-    ident: uuid.UUID
-    flag: bool
-    maybe: Optional[Point] = None
-    tags: List[str] = []
-
-
-class Tree(BaseModel):
-    label: str
-    children: List["Tree"] = []
-
-
-@pytest.mark.parametrize("model", [Point, Circle, Everything, Tree])
-def test_an_instance_of_a_pydantic_schema_is_a_valid_model(model):
+    model = _models()[name]
     schema = model.model_json_schema()
     got = instance(schema)
     jsonschema.validate(got, schema)
@@ -77,7 +78,7 @@ def test_an_instance_of_a_pydantic_schema_is_a_valid_model(model):
 
 
 def test_strings_say_where_they_stand():
-    got = instance(Everything.model_json_schema())
+    got = instance(_models()["Everything"].model_json_schema())
     assert got["shapes"][1]["kind"] == "square" and got["tags"] == ["tags.0"]
     assert len(got["name"]) == 12 and got["name"].startswith("name") and got["code"] == "cod"
     assert got["counts"] == {} and got["pair"] == [3, "pair.1"]
@@ -85,7 +86,7 @@ def test_strings_say_where_they_stand():
 
 
 def test_a_recursive_model_ends():
-    got = instance(Tree.model_json_schema())
+    got = instance(_models()["Tree"].model_json_schema())
     depth = 0
     while got["children"]:
         got, depth = got["children"][0], depth + 1
@@ -103,7 +104,9 @@ REQUIRED = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf":
     {"properties": {"name": {"type": "string", "enum": ["final_result"]},
                     "parameters": {"$ref": "#/$defs/Point"}},
      "required": ["name", "parameters"]}]},
-    "$defs": {"Point": Point.model_json_schema()}}
+    "$defs": {"Point": {"type": "object", "required": ["x", "y"], "properties": {
+        "x": {"type": "integer", "minimum": -5, "maximum": -2},
+        "y": {"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 2}}}}}
 
 
 @pytest.mark.parametrize("schema", [
@@ -122,6 +125,8 @@ REQUIRED = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf":
     {},
 ])
 def test_an_instance_validates_under_its_schema(schema):
+    import jsonschema
+
     jsonschema.validate(instance(schema), schema)
 
 
