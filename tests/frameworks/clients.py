@@ -23,6 +23,7 @@ import enum
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -402,16 +403,34 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:700]
 
 
+#: A case that has not ended after this many seconds is reported as hung (the frameworks' own
+#: time-outs are left at their defaults: openai's is 600 s, with two retries).
+CASE_TIMEOUT = 120
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise CaseTimeout(f"the case did not end within {CASE_TIMEOUT} s")
+
+
 def run(name: str, fn: Callable, label: str, url: str) -> dict:
     t0 = time.perf_counter()
     ctx = Ctx(name, url)
     out = {"case": name, "server": label}
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(CASE_TIMEOUT)
     try:
         fn(ctx)
         out["error"] = None
     except BaseException as exc:  # noqa: B902 - every outcome is reported
         out["error"] = _error(exc)
         out["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     seen = ctx.seen()
     out["http"] = [h["status"] for h in seen["http"]]
     out["sent"] = [dict(h["sent"] or {}, path=h["path"]) for h in seen["http"]]
