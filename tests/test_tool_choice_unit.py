@@ -141,6 +141,13 @@ def test_required_is_one_guided_schema_of_upstreams_shape():
     assert request.tool_choice == "none" and request._vllm_bi100_plan is plan
 
 
+def test_required_without_parallel_calls_allows_one_call():
+    body, _, _ = rewrite(tools=TWO, tool_choice="required", parallel_tool_calls=False)
+    assert body["guided_json"]["maxItems"] == 1 and body["guided_json"]["minItems"] == 1
+    assert "maxItems" not in rewrite(tools=TWO, tool_choice="required",
+                                     parallel_tool_calls=True)[0]["guided_json"]
+
+
 def test_required_edge_cases():
     assert rewrite(tools=[], tool_choice="required")[0] == {"model": "m", "messages": [USER]}
     assert refused(tool_choice="required") == '`tool_choice: "required"` needs `tools`'

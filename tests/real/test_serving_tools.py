@@ -155,3 +155,32 @@ def test_completions(serving_runs):
     for field in ("prompt_cache_retention", "prompt_cache_options",
                   "stream_options.include_obfuscation"):
         assert log.count(f"completion requests' field `{field}` accepted and ignored") == 1
+
+
+def test_outlines_of_063_builds_the_calls_schema():
+    """The schema "required" guides by is one vLLM 0.6.3's outlines (0.0.46) compiles: its regex
+    takes a call of each tool (a $defs reference resolved at the top), and no empty array,
+    unknown name, wrong parameters or second call where parallel_tool_calls is false."""
+    build = pytest.importorskip("outlines.fsm.json_schema").build_regex_from_schema
+    from vllm_bi100_patch.patches import tool_choice
+
+    unit = {"type": "object", "$defs": {"U": {"enum": ["c", "f"]}},
+            "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}
+    tools = [{"type": "function", "function": {"name": "temp", "parameters": unit}},
+             {"type": "function", "function": {"name": "final_result", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "noargs"}}]
+    schema = tool_choice.required_schema(tools)
+    one = dict(schema, maxItems=1)
+    calls = {"temp": {"u": "c"}, "final_result": {"answer": "x"}, "noargs": {}}
+
+    def ok(sch, value):
+        return re.fullmatch(build(json.dumps(sch)), json.dumps(value)) is not None
+
+    for name, params in calls.items():
+        assert ok(schema, [{"name": name, "parameters": params}]), name
+    both = [{"name": n, "parameters": p} for n, p in calls.items()]
+    assert ok(schema, both) and not ok(one, both) and ok(one, both[:1])
+    assert not ok(schema, [])
+    assert not ok(schema, [{"name": "other", "parameters": {}}])
+    assert not ok(schema, [{"name": "temp", "parameters": {"u": "k"}}])
+    assert not ok(schema, [{"name": "final_result", "parameters": {}}])

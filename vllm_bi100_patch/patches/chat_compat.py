@@ -8,11 +8,14 @@ vLLM 0.6.3's ``ChatCompletionRequest`` (``vllm/entrypoints/openai/protocol.py``,
 in CoreX 3.2.3) is a pydantic model with ``extra="forbid"``: FastAPI validates the request body
 with it before any of vLLM's code runs, so the only place to map a body is inside that
 validation.  The row replaces the module's class with a subclass carrying one pydantic *wrap*
-validator (it runs before 0.6.3's own ``before`` validators, on the raw body) that applies
-``rewrite``; everything else is 0.6.3's class.  ``rewrite`` is plain Python on dicts: it maps
-only what maps losslessly, drops only fields that change nothing a self-hosted server does
-(each named once per process in a WARNING), and refuses, naming the field and why, what it
-cannot serve.  A field it does not know stays refused by 0.6.3 itself, by name.
+validator (``request_body.request_class``: it runs before 0.6.3's own ``before`` validators, on
+the raw body, and turns what they crash on into a 400) that applies ``rewrite``; everything
+else is 0.6.3's class.  ``rewrite`` is plain Python on dicts, copying only what it changes: it
+maps only what maps losslessly, drops only fields that change nothing a self-hosted server
+does (each named once per process in a WARNING over a bounded set of names), and refuses,
+naming the field and why, what it cannot serve.  A field it does not know stays refused by
+0.6.3 itself, by name.  The tool fields are ``tool_choice.tools``; the tool plan it returns
+rides on the validated request to row ``chat_tool_calls`` (``patches/tool_calls.py``).
 
 Never imports vLLM (pydantic is imported when the class is built: vLLM's front end has it).
 """
@@ -143,6 +146,10 @@ def _max_completion_tokens(data: Dict[str, Any]) -> None:
     value = data.pop("max_completion_tokens")
     if value is None:
         return
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # what pydantic accepts for max_tokens, accepted here too
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestRefused(f"`max_completion_tokens` must be an integer, not {shown(value)}")
     if value < 1:

@@ -174,7 +174,7 @@ class _Stream:
         for choice in chunk["choices"]:
             changed |= self._choice(choice)
             if choice.get("delta") or choice.get("finish_reason") is not None \
-                    or chunk.get("usage") is not None:
+                    or choice.get("logprobs") is not None or chunk.get("usage") is not None:
                 kept.append(choice)
         if not changed:
             return [piece]

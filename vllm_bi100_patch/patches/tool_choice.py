@@ -17,6 +17,7 @@ tool fields onto those, in place, and returns the ``ToolPlan`` that row ``chat_t
   upstream's (vLLM pull request #13483, ``_get_guided_json_from_tool``): an array of at least
   one ``{"name": <that tool's name>, "parameters": <that tool's schema>}``, each tool's
   ``$defs`` (and ``definitions``) moved to the top where ``#/$defs/...`` references resolve;
+  ``parallel_tool_calls: false`` adds ``maxItems: 1``;
   the validated request then says "none" to 0.6.3 (the answer is plain text to it, no tool
   parser needed) and the plan says ``required`` (row ``chat_tool_calls`` turns the text into
   ``tool_calls``);
@@ -241,6 +242,8 @@ def tools(data: Dict[str, Any], serve_required: bool) -> Optional[ToolPlan]:
                                  "`tool_choice` or use \"auto\"")
         _forced_beside(data, "`tool_choice: \"required\"`")
         data["guided_json"] = required_schema(data["tools"])
+        if data.get("parallel_tool_calls") is False:
+            data["guided_json"]["maxItems"] = 1  # one call only, as OpenAI defines it
         data["tool_choice"] = "auto"  # 0.6.3's validators; the plan then says "none"
         return ToolPlan(tuple(_names(data["tools"])), strict)
     if isinstance(choice, dict):
