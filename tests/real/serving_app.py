@@ -312,6 +312,7 @@ CASES = {
     "completion_json_schema_text": {"completions": True, "extra_body": {"response_format": {
         "type": "json_schema", "json_schema": {"name": "answer",
                                                "schema": json.dumps(SCHEMA)}}}},
+    "completion_logprobs_text": {"completions": True, "extra_body": {"logprobs": "two"}},
     "completion_ignored_fields": {"completions": True, "stream": True, "extra_body": {
         "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 1},
         "stream_options": {"include_usage": True, "include_obfuscation": False}}},

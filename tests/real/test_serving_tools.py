@@ -150,6 +150,9 @@ def test_completions(serving_runs):
         assert json.loads(shim[case]["text"]) == {"answer": "text"}
     assert stock["completion_json_schema"]["queued"][0]["guided_json"] is None  # ignored
     assert stock["completion_json_schema_text"]["status"] == 400
+    assert stock["completion_logprobs_text"]["status"] == 500  # check_logprobs: TypeError
+    assert shim["completion_logprobs_text"]["status"] == 400
+    assert "validation raised TypeError" in shim["completion_logprobs_text"]["message"]
     assert shim["completion_ignored_fields"]["status"] == 200
     assert stock["completion_ignored_fields"]["status"] == 400
     for field in ("prompt_cache_retention", "prompt_cache_options",
