@@ -289,6 +289,12 @@ def test_the_streamed_answer_to_required_becomes_tool_call_deltas():
     lines = _stream(plan, _chunks([CALLS[:40], CALLS[40:70]], finish="length"))
     _, calls, content, finish = _read(lines)
     assert len(calls) == 1 and content == CUT and finish == ["length"]
+    # a finish chunk without content (delta {}): the calls still go out with it
+    lines = _chunks([CALLS[:40], CALLS[40:]], finish=None)[:-1]
+    lines.append("data: " + json.dumps({"id": "chat-1", "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n")
+    _, calls, content, finish = _read(_stream(plan, lines + ["data: [DONE]\n\n"]))
+    assert len(calls) == 2 and content == "" and finish == ["tool_calls"]
     # a stream cut before any finish_reason: what it held goes out before [DONE]
     lines = _stream(plan, _chunks([CALLS[:40], CALLS[40:70]])[:-2] + ["data: [DONE]\n\n"])
     _, calls, content, finish = _read(lines)

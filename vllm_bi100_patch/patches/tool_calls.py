@@ -189,12 +189,13 @@ class _Stream:
         if not isinstance(delta, dict):
             return False
         changed = False
-        if state.array is not None and "role" not in delta and "content" in delta:
-            calls = state.array.feed(delta.pop("content") or "")
+        finished = choice.get("finish_reason") is not None
+        if state.array is not None and "role" not in delta and ("content" in delta or finished):
+            calls = state.array.feed(delta.pop("content", None) or "")
             changed = True
             out = [_delta_call(state.array.calls - len(calls) + k, n, a)
                    for k, (n, a) in enumerate(calls)]
-            if choice.get("finish_reason") is not None:
+            if finished:
                 more, rest, complete = state.array.finish()
                 out += [_delta_call(state.array.calls - len(more) + k, n, a)
                         for k, (n, a) in enumerate(more)]
