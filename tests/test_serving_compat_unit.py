@@ -6,12 +6,13 @@ and the ``openai`` client: tests/real/test_serving_compat.py."""
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 
 import pytest
 
 from vllm_bi100_patch import config, registry, rows, table
-from vllm_bi100_patch.patches import chat_compat, seq_limit
+from vllm_bi100_patch.patches import chat_compat, completion_compat, request_body, seq_limit
 
 ON = config.load({config.MODE: "1"})
 FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
@@ -24,7 +25,7 @@ USER = {"role": "user", "content": "hi"}
 
 def rewrite(**body):
     return chat_compat.rewrite(dict({"model": "m", "messages": [dict(USER)]}, **body), FIELDS,
-                               KEYS)
+                               KEYS)[0]
 
 
 def refused(**body):
@@ -42,12 +43,25 @@ def test_max_completion_tokens_is_max_tokens_and_wins():
     # a build whose model has the field keeps it as it is
     kept = chat_compat.rewrite({"messages": [USER], "max_completion_tokens": 5},
                                FIELDS | {"max_completion_tokens"}, KEYS)
-    assert kept == {"messages": [USER], "max_completion_tokens": 5}
+    assert kept == ({"messages": [USER], "max_completion_tokens": 5}, False, None)
+
+
+@pytest.mark.parametrize("value", ["abc", "-", 2.5, True, [3]])
+def test_an_invalid_max_completion_tokens_is_refused_by_that_name(value):
+    """Defect 9: it was mapped to max_tokens first, so 0.6.3 refused `max_tokens`, a field
+    the client never sent."""
+    message = refused(max_completion_tokens=value)
+    assert message.startswith("`max_completion_tokens` must be an integer") and \
+        "max_tokens`" not in message
+    assert refused(max_completion_tokens=0) == "`max_completion_tokens` must be at least 1, got 0"
+    assert rewrite(max_completion_tokens="7")["max_tokens"] == 7  # as pydantic reads max_tokens
+    assert rewrite(max_completion_tokens=7.0)["max_tokens"] == 7
 
 
 def test_harmless_fields_are_dropped_and_the_rest_stays():
     body = rewrite(store=True, metadata={"a": "b"}, service_tier="auto", prompt_cache_key="k",
                    safety_identifier="u", prediction={"type": "content"}, modalities=["text"],
+                   prompt_cache_retention="24h", prompt_cache_options={"x": 1},
                    user="u2", frobnicate=1)
     assert body == {"model": "m", "messages": [USER], "user": "u2", "frobnicate": 1}
 
@@ -81,12 +95,12 @@ def _tool(**extra):
 def test_tools_and_tool_choice():
     none = rewrite(tools=[_tool()], tool_choice="none")
     assert "tools" not in none and "tool_choice" not in none  # vLLM 0.6.4
-    assert '"required"' in refused(tools=[_tool()], tool_choice="required")
     named = {"type": "function", "function": {"name": "f"}}
     assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [_tool()]
     assert rewrite(tools=[_tool(strict=False)])["tools"] == [_tool()]
-    assert "tools[0].function.strict is true" in refused(tools=[_tool(strict=True)],
-                                                         tool_choice="auto")
+    # strict: true under automatic tool choice is served, as upstream serves it (0.6.5, #10463)
+    assert rewrite(tools=[_tool(strict=True)], tool_choice="auto")["tools"] == [_tool()]
+    assert rewrite(tools=[_tool(strict=True)])["tools"] == [_tool()]
 
 
 def test_logprobs_usage_and_json_schema():
@@ -103,6 +117,125 @@ def test_logprobs_usage_and_json_schema():
     assert "two different schemas" in refused(response_format=fmt, guided_json={"type": "array"})
     assert "schema` is missing" in refused(response_format={"type": "json_schema",
                                                             "json_schema": {"name": "x"}})
+
+
+def test_a_json_schema_given_as_text_is_parsed():
+    """Defect 10 / the misnamed cause: a schema sent as JSON text was refused as "missing",
+    and beside the same schema as an object as "two different schemas"."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": text}}
+    body = rewrite(response_format=fmt)
+    assert body["guided_json"] == schema
+    assert body["response_format"]["json_schema"] == {"name": "x", "schema": schema}
+    assert fmt["json_schema"]["schema"] == text  # the caller's body is not changed
+    assert rewrite(response_format=fmt, guided_json=schema)["guided_json"] == schema
+    obj = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert rewrite(response_format=obj, guided_json=text)["guided_json"] == schema
+    assert refused(response_format=dict(fmt, json_schema={"name": "x", "schema": "{x"})) \
+        .startswith("`response_format.json_schema.schema` is a string but not JSON text")
+    assert "JSON text of a list, not of an object" in refused(
+        response_format=dict(fmt, json_schema={"name": "x", "schema": "[1]"}))
+    assert "must be a JSON schema (an object), not a int" in refused(
+        response_format=dict(fmt, json_schema={"name": "x", "schema": 5}))
+
+
+def _nested(depth, leaf=None):
+    value = leaf if leaf is not None else {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_deeply_nested_bodies_are_served_or_refused_by_name_never_a_crash():
+    """Defect 1: the mappings deep-copied and dumped recursively (a RecursionError, a 500).
+    Now nothing they do not change is copied or walked; what they must walk is refused by
+    name."""
+    deep = _nested(5000)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    body, changed, plan = chat_compat.rewrite(
+        {"model": "m", "messages": [dict(USER)], "tools": [tool]}, FIELDS, KEYS)
+    assert body["tools"][0]["function"]["parameters"] is deep and plan is None
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}
+    assert refused(messages=[USER, call]) == (
+        "messages[1].tool_calls[0].function.arguments nests deeper than this server handles")
+    text = "[" * 100000 + "]" * 100000
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]}
+    assert "nests deeper than this server parses" in refused(messages=[USER, call])
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(5000)}}
+    assert "nest deeper than this server compares" in refused(response_format=fmt,
+                                                              guided_json=_nested(5000))
+
+
+def test_the_callers_body_is_never_changed():
+    message = {"role": "developer", "content": "x", "reasoning_content": "r",
+               "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}
+    tools = [_tool(strict=True)]
+    data = {"model": "m", "messages": [message], "tools": tools,
+            "stream_options": {"include_usage": True}, "stream": True}
+    before = repr(data)
+    body, changed, _ = chat_compat.rewrite(data, FIELDS, KEYS)
+    assert changed and repr(data) == before and body["messages"][0]["role"] == "system"
+    assert chat_compat.rewrite({"model": "m", "messages": [USER]}, FIELDS, KEYS)[1] is False
+
+
+def test_dropped_keys_are_warned_about_over_a_bounded_set_of_names(caplog):
+    """Defect 2: one WARNING and one set entry per made-up key name (unbounded), the name
+    logged raw (a newline in it forged a log line)."""
+    request_body.reset_warnings()
+    caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
+    for r in range(50):
+        message = {"role": "user", "content": "hi", "reasoning_content": "r"}
+        message.update({f"k{r}_{i}": 1 for i in range(200)})
+        rewrite(messages=[message])
+    rewrite(messages=[{"role": "user", "content": "hi", "x\nINFO forged": 1}])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + request_body.MADE_UP_CAP + 1, len(lines)
+    assert lines.count(lines[0]) == 1 and "message key `reasoning_content`" in lines[0]
+    assert "message key 'k0_0' accepted and ignored" in lines[1]
+    assert "further ones are dropped without a WARNING" in lines[-1]
+    assert all("\n" not in line for line in lines)
+    assert len(request_body._made_up) <= request_body.MADE_UP_CAP + 1
+    request_body.reset_warnings()
+    caplog.clear()
+    rewrite(messages=[{"role": "user", "content": "hi", "x\nINFO forged": 1}])
+    assert [r.getMessage() for r in caplog.records] == [
+        "vllm-bi100-patch: chat requests' message key 'x\\nINFO forged' accepted and ignored "
+        "(" + chat_compat.WHY_KEY + "); logged once per process"]
+
+
+COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "stream", "stream_options",
+                               "response_format", "guided_json", "guided_regex"})
+
+
+def complete(**body):
+    return completion_compat.rewrite(dict({"model": "m", "prompt": "hi"}, **body),
+                                     COMPLETION_FIELDS)
+
+
+def test_completions_usage_json_schema_and_harmless_fields(caplog):
+    request_body.reset_warnings()
+    caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
+    body, changed, _ = complete(stream=True, stream_options={"include_usage": True,
+                                                              "include_obfuscation": True},
+                                prompt_cache_retention="24h", prompt_cache_options={})
+    assert changed and body == {"model": "m", "prompt": "hi", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": False}}
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    assert complete(stream=True, stream_options=dict(asked))[0]["stream_options"] == asked
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert complete(response_format=fmt)[0]["guided_json"] == schema
+    text = dict(fmt, json_schema={"name": "x", "schema": '{"type": "object"}'})
+    assert complete(response_format=text)[0]["guided_json"] == schema
+    with pytest.raises(request_body.RequestRefused, match="two different schemas"):
+        complete(response_format=fmt, guided_json={"type": "array"})
+    assert complete(response_format={"type": "json_object"}) == (
+        {"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}}, False, None)
+    logged = " | ".join(r.getMessage() for r in caplog.records)
+    for name in ("stream_options.include_obfuscation", "prompt_cache_retention",
+                 "prompt_cache_options"):
+        assert logged.count(f"completion requests' field `{name}` accepted and ignored") == 1
 
 
 def test_the_limit_names_n_best_of_and_max_num_seqs():

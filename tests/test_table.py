@@ -27,7 +27,8 @@ def test_every_row_is_well_formed():
                                       "vllm.core.scheduler", "vllm.engine.llm_engine",
                                       "vllm.engine.multiprocessing.client",
                                       "vllm.entrypoints.openai.serving_engine",
-                                      "vllm.entrypoints.openai.protocol")
+                                      "vllm.entrypoints.openai.protocol",
+                                      "vllm.entrypoints.openai.serving_chat")
     assert [p.name for p in table.guards()] == ["import_guard"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ._patch_row import (LLM_ENGINE, MQ_CLIENT, PROTOCOL, REPLACE_CLASS, SCHEDULER, SERVING,
-                         WRAP_INSTANCE, Patch)
+                         SERVING_CHAT, WRAP_INSTANCE, Patch)
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
 if TYPE_CHECKING:
@@ -84,33 +84,94 @@ ROWS: Tuple[Patch, ...] = (
         when="vllm_bi100_patch.patches.chat_compat:compat_needed",
         counters=("chat_request_compat", "chat_fields_ignored"),
         why="vLLM 0.6.3's chat request (`extra=\"forbid\"`, CoreX 3.2.3's is the same file) "
-            "refuses what today's OpenAI clients send (`max_completion_tokens`, `store`, "
-            "`metadata`, `tools[].function.strict`, an echoed `reasoning_content` in a "
-            "message, `tool_choice: \"none\"`, object-form tool-call arguments, "
-            "`top_logprobs: 0`), ignores `response_format: json_schema` (output "
-            "unconstrained), streams usage on every chunk, and gives the `developer` role to "
-            "the chat template as is",
+            "refuses what today's OpenAI clients and agent frameworks send "
+            "(`max_completion_tokens`, `store`, `metadata`, `tools[].function.strict`, "
+            "`tool_choice: \"required\"` or `\"none\"`, an echoed `reasoning_content` in a "
+            "message, object-form tool-call arguments, `top_logprobs: 0`), answers a 500 to "
+            "any `tool_choice` object but the named form (`KeyError: 'function'`) and to "
+            "some malformed or deeply nested bodies, ignores `response_format: json_schema` "
+            "(output unconstrained), streams usage on every chunk, and gives the `developer` "
+            "role to the chat template as is",
         how="a subclass with one pydantic wrap validator rewrites the request body before "
-            "0.6.3's own validation, lossless mappings only (docs/serving-compat.md): "
-            "`max_completion_tokens` -> `max_tokens` (wins, #9837); harmless fields (`store`, "
+            "0.6.3's own validation, lossless mappings only, copying only what it changes "
+            "(docs/serving-compat.md): `max_completion_tokens` -> `max_tokens` (wins, "
+            "#9837; an invalid one refused by that name); harmless fields (`store`, "
             "`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`, "
-            "`prediction`, `modalities: [\"text\"]`) and unknown message keys dropped, each "
-            "named once in a WARNING (#10463); `strict: false` dropped, `strict: true` kept "
-            "where `tool_choice` names the tool (0.6.3's guided decoding enforces its "
-            "parameters) else a 400 saying so; `tool_choice: \"none\"` drops the tools "
-            "(#10000), `\"required\"` a 400 naming it; object arguments -> their JSON text "
-            "(invalid JSON text a 400 naming where); `json_schema` -> `guided_json` (#9530); "
-            "`continuous_usage_stats` false unless asked (0.6.4); `developer` -> `system`; "
-            "`top_logprobs: 0` without `logprobs` dropped; `messages: []` and "
-            "`reasoning_effort`, `verbosity`, `audio`, other modalities a 400 naming them; "
-            "every other unknown field stays refused by name. Revert puts the original class "
-            "back in the module (a server app built meanwhile keeps the subclass)",
+            "`prediction`, `prompt_cache_retention`, `prompt_cache_options`, "
+            "`stream_options.include_obfuscation`, `modalities: [\"text\"]`) and unknown "
+            "message keys dropped, each named once in a WARNING over a bounded set of names, "
+            "escaped (#10463); `strict` true/false dropped (#10463; a strict tool's calls are "
+            "checked by `chat_tool_calls`), any other value a 400; `tool_choice: \"none\"` "
+            "drops the tools (#10000), `\"required\"` -> `guided_json` of one schema "
+            "accepting a call of any tool (#13483's shape; one call if `parallel_tool_calls` is "
+            "false), `allowed_tools` -> the allowed "
+            "`tools` and its mode, the Responses API's `{\"type\": \"function\", \"name\"}` "
+            "-> the named form, any other object a 400 naming it; a forced tool beside "
+            "`guided_json` or `response_format` a 400; object arguments -> their JSON text "
+            "(invalid JSON text a 400 naming where); `json_schema` (object or JSON text) -> "
+            "`guided_json` (#9530); `continuous_usage_stats` false unless asked (0.6.4); "
+            "`developer` -> `system`; `top_logprobs: 0` without `logprobs` dropped; "
+            "`messages: []` and `reasoning_effort`, `verbosity`, `audio`, other modalities a "
+            "400 naming them; what 0.6.3's validators crash on (`TypeError`, `KeyError`, "
+            "`RecursionError`) a 400 naming the exception; every other unknown field stays "
+            "refused by name. Revert puts the original class back in the module (a server app "
+            "built meanwhile keeps the subclass)",
         vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being byte-identical; "
              "proven with the `openai` client against 0.6.3's own server app on both); not "
              "applied from 0.6.4 (`max_completion_tokens` is a field there)",
-        upstream="vLLM pull requests #9837, #10000, #9530 (0.6.4), #10463 (0.6.5); the "
-                 "`developer` role and object arguments: none",
-        removal="when the oldest vLLM the shim supports is 0.6.5"),
+        upstream="vLLM pull requests #9837, #10000, #9530 (0.6.4), #10463 (0.6.5), #13483 "
+                 "(`required`, 0.8.3); the `developer` role, object arguments, "
+                 "`allowed_tools`: none",
+        removal="when the oldest vLLM the shim supports is 0.8.3"),
+    Patch(
+        "completion_request_compat", REPLACE_CLASS, PROTOCOL + ":CompletionRequest",
+        "vllm_bi100_patch.patches.completion_compat:make_request_class",
+        params="code:vllm_bi100_patch.patches.completion_compat:check",
+        when="vllm_bi100_patch.patches.chat_compat:compat_needed",
+        counters=("completion_request_compat", "completion_fields_ignored"),
+        why="vLLM 0.6.3's completion request (`/v1/completions`) streams usage on every chunk "
+            "when `stream_options.include_usage` is sent, accepts `response_format: "
+            "json_schema` and ignores the schema (output unconstrained), and refuses "
+            "`stream_options.include_obfuscation`, `prompt_cache_retention` and "
+            "`prompt_cache_options`, which change nothing it answers",
+        how="a subclass with one pydantic wrap validator (the chat row's kind) rewrites the "
+            "body: `continuous_usage_stats` false unless asked (usage on the final chunk "
+            "only, 0.6.4's default); `json_schema` (object or JSON text) -> `guided_json` "
+            "(0.6.3's own guided decoding; a different `guided_json` beside it a 400); the "
+            "three harmless fields dropped, each named once in a WARNING; what 0.6.3's "
+            "validators crash on a 400 naming the exception",
+        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being byte-identical; "
+             "proven with the `openai` client against 0.6.3's own server app on both); not "
+             "applied where the chat row is not needed",
+        upstream="vLLM 0.6.4 (default `continuous_usage_stats` false); `json_schema` on "
+                 "completions: later releases (the chat form, #9530, in 0.6.4)",
+        removal="with `chat_request_compat`"),
+    Patch(
+        "chat_tool_calls", WRAP_INSTANCE,
+        SERVING_CHAT + ":OpenAIServingChat.create_chat_completion",
+        "vllm_bi100_patch.patches.tool_calls:make_create_wrapper",
+        params="code:vllm_bi100_patch.patches.tool_calls:check_create",
+        when="vllm_bi100_patch.patches.tool_calls:tool_calls_needed",
+        counters=("tool_choice_required", "tool_arguments_invalid", "tool_arguments_unchecked"),
+        why="vLLM 0.6.3 cannot answer `tool_choice: \"required\"` (agent frameworks' "
+            "structured output: pydantic-ai's `output_type`), and nothing checks the calls of "
+            "a tool sent with `strict: true` under automatic tool choice (openai-agents and "
+            "pydantic-ai send every tool so)",
+        how="wraps `create_chat_completion` for the requests the chat row gave a tool plan: "
+            "a `required` answer (guided by the calls' schema, seen by 0.6.3 as text) is read "
+            "as the call array and returned as `tool_calls` with `finish_reason: "
+            "\"tool_calls\"`, streamed one delta per call as each completes (a cut answer "
+            "keeps its unfinished part as content); every call of a strict tool (auto, named "
+            "or required; streamed or not) is checked against the tool's schema (jsonschema): "
+            "a violation is one WARNING naming the request and tool and one count of "
+            "`vllm_bi100:tool_arguments_invalid_total`, the answer unchanged (as upstream "
+            "serves strict tools); requests without a plan pass through untouched",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and the serving_chat.py of CoreX "
+             "3.2.3's vendored tree; proven on 0.6.3.post1's app, whose file the stand-in "
+             "keeps); not applied where the chat row is not, or is disabled",
+        upstream="vLLM pull request #13483 (`required` through guided decoding, 0.8.3); "
+                 "strict tools: accepted unchecked from 0.6.5 (#10463)",
+        removal="with `chat_request_compat`"),
     Patch(
         "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
         "vllm_bi100_patch.patches.error_cause:make_error_wrapper",

@@ -64,6 +64,7 @@ NAMED_COUNTS: Dict[str, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
     "dense_prefill": ("dense_prefill_calls", (("path", "pytorch"),)),
     "dense_vendor": ("dense_prefill_calls", (("path", "vendor"),)),
     "prefix_block_table": ("block_table_fixes", ()),
+    "tool_arguments_invalid": ("tool_arguments_invalid", ()),
 }
 #: Counters already told by other series (decode calls by route, prefix calls by path).
 TOLD_ELSEWHERE = ("forward_decode", "forward_prefix")
@@ -101,6 +102,10 @@ SERIES: Tuple[Tuple[str, str, str, str], ...] = (
     ("block_table_fixes", "counter", "",
      "Prompt groups with a prefix-cache hit given their sequence's own block table "
      "(prefix_block_table row)."),
+    ("tool_arguments_invalid", "counter", "",
+     "Tool calls answered for a tool sent with strict: true whose arguments do not match its "
+     "schema, and answers to tool_choice \"required\" that are no complete call array "
+     "(chat_tool_calls row; one WARNING each, naming the request and tool)."),
     ("refused_calls", "counter", "row, error",
      "Patched calls that raised (a refused argument, a blocked kernel, ...), by row and "
      "exception type."),

@@ -11,9 +11,12 @@ streams, the usage of each chunk.  Run with the shim (``VLLM_BI100_PATCH=1``) an
 
 The model is a local directory: a tiny Llama ``config.json`` (never loaded: nothing computes)
 and a byte-level tokenizer with a chat template that shows roles, tool calls and tools.  The
-engine stand-in answers every request with the same tokens; it is what the front end talks
-to, so the front end is what is tested.  ``--max-num-seqs 1``: a request with n=2 can never be
-scheduled by vLLM 0.6.3's scheduler (tests/real/scheduler_probe.py shows it).
+engine stand-in answers what fits the request (``standin_answers.py``: an instance of the
+schema when guided JSON reaches it, a hermes ``<tool_call>`` when tools reached the template,
+else a fixed text); it is what the front end talks to, so the front end is what is tested
+(``--enable-auto-tool-choice --tool-call-parser hermes``, as agent frameworks' servers run).
+``--max-num-seqs 1``: a request with n=2 can never be scheduled by vLLM 0.6.3's scheduler
+(tests/real/scheduler_probe.py shows it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
 sys.path.insert(0, HERE)
 
 from helpers.probes import report  # noqa: E402
+from standin_answers import ANSWER, answer  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] %}{{ m['content'] }}{% endif %}"
@@ -41,7 +45,6 @@ TEMPLATE = (
     "{% endfor %}{% endif %}{% endfor %}"
     "{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
     "{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-ANSWER = ["hello", " world", " again"]
 MAX_NUM_SEQS = 1
 
 
@@ -66,9 +69,11 @@ def build_model(path: str) -> None:
 
 
 class Engine:
-    """The smallest engine client the front end runs against: real ``RequestOutput``s of a
-    fixed answer (delta outputs for streams, as vLLM's ``RequestOutputKind.DELTA``), with the
-    in-process engine's ``scheduler_config`` (as ``AsyncLLMEngine.engine`` has it)."""
+    """The smallest engine client the front end runs against: real ``RequestOutput``s of the
+    answer that fits the request (``standin_answers.answer``; delta outputs for streams, as
+    vLLM's ``RequestOutputKind.DELTA``; ``finish_reason`` "stop" when the answer is complete,
+    "length" when ``max_tokens`` pieces cut it), with the in-process engine's
+    ``scheduler_config`` (as ``AsyncLLMEngine.engine`` has it)."""
 
     errored = False
     is_running = True
@@ -109,12 +114,16 @@ class Engine:
 
         ids = list(prompt["prompt_token_ids"])
         guided = sampling_params.guided_decoding
+        text = self.tokenizer.decode(ids)
         self.seen.append({
-            "prompt": self.tokenizer.decode(ids), "n": sampling_params.n,
+            "prompt": text, "n": sampling_params.n,
             "max_tokens": sampling_params.max_tokens, "logprobs": sampling_params.logprobs,
             "guided_json": None if guided is None else guided.json})
-        pieces = [(text, self.tokenizer.encode(text, add_special_tokens=False))
-                  for text in ANSWER][:sampling_params.max_tokens or len(ANSWER)]
+        full = answer(text, None if guided is None else guided.json)
+        pieces = [(piece, self.tokenizer.encode(piece, add_special_tokens=False))
+                  if piece is not None else ("", [self.tokenizer.eos_token_id])
+                  for piece in full][:sampling_params.max_tokens or len(ANSWER)]
+        cut = len(pieces) < len(full)
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         n = sampling_params.n
 
@@ -125,7 +134,7 @@ class Engine:
                 request_id, None, ids, None,
                 [CompletionOutput(i, "".join(t for t, _ in shown),
                                   [x for _, tids in shown for x in tids], None, None,
-                                  "length" if finished else None)
+                                  ("length" if cut else "stop") if finished else None)
                  for i in range(n)], finished)
 
         async def stream():
@@ -180,6 +189,38 @@ def _tool(**extra):
     return {"type": "function", "function": dict(TOOL["function"], **extra)}
 
 
+def _fn(name, params, **extra):
+    return {"type": "function", "function": dict(name=name, parameters=params, **extra)}
+
+
+#: pydantic-ai's structured output tool; a tool whose calls the stand-in makes wrong.
+FINAL = _fn("final_result", SCHEMA, strict=True)
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+BAD = _fn("bad_weather", CITY, strict=True)
+ALLOWED = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+    {"type": "function", "function": {"name": "final_result"}}]}}
+DEPTH = 900
+
+
+def _deep(depth):
+    """JSON text of an object nested ``depth`` deep (sent as it is: a client's encoder may
+    refuse to build it)."""
+    return '{"a": ' * depth + "{}" + "}" * depth
+
+
+def _raw_chat(tool_params=None, arguments=None):
+    """The JSON text of a chat body with a deep tool schema or deep tool-call arguments."""
+    head = '{"model": "tiny", '
+    if tool_params is not None:
+        return (head + '"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+                '"function", "function": {"name": "deep_tool", "parameters": ' + tool_params
+                + "}}]}")
+    return (head + '"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+            '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", '
+            '"arguments": ' + arguments + '}}]}, {"role": "tool", "tool_call_id": "c1", '
+            '"content": "ok"}]}')
+
+
 def _history(arguments):
     return [USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
@@ -224,12 +265,85 @@ CASES = {
     "stream_usage_continuous": {"stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}},
     "stream_n_over_max_num_seqs": {"stream": True, "n": 2},
-    # /v1/completions: the same n/best_of limit (its request model is 0.6.3's as it is)
+    # /v1/completions: the same n/best_of limit
     "completion_n_over_max_num_seqs": {"completions": True, "n": 2},
+    # --- agent frameworks' tool paths (issue 35) ---
+    # openai-agents, pydantic-ai: every tool strict, tool_choice absent (automatic)
+    "strict_auto_absent": {"tools": [_tool(strict=True)]},
+    "strict_auto_stream": {"tools": [_tool(strict=True)], "stream": True},
+    "strict_violation": {"tools": [BAD]},
+    "strict_violation_stream": {"tools": [BAD], "stream": True},
+    "strict_one": {"tools": [_tool(strict=1)]},
+    # pydantic-ai's output_type: "required" with a strict final_result tool
+    "required": {"tools": [FINAL, _tool()], "tool_choice": "required"},
+    "required_stream": {"tools": [FINAL, _tool()], "tool_choice": "required", "stream": True},
+    "required_cut": {"tools": [FINAL], "tool_choice": "required", "max_tokens": 3},
+    "allowed_tools_auto": {"tools": [_tool(), FINAL], "tool_choice": ALLOWED},
+    "allowed_tools_required": {"tools": [_tool(), FINAL], "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": dict(ALLOWED["allowed_tools"],
+                                                       mode="required")}},
+    "responses_named": {"tools": [_tool(), FINAL],
+                        "tool_choice": {"type": "function", "name": "get_weather"}},
+    "tool_choice_empty_object": {"tools": [TOOL], "tool_choice": {}},
+    "tool_choice_custom": {"tools": [TOOL], "tool_choice": {"type": "custom", "name": "x"}},
+    "malformed_tool_named": {"tools": [{"type": "function"}], "tool_choice": NAMED},
+    "top_logprobs_text": {"logprobs": True, "top_logprobs": "three"},
+    "json_schema_beside_named": {"tools": [TOOL], "tool_choice": NAMED, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}},
+    "json_schema_text": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": json.dumps(SCHEMA)}}},
+    "json_schema_text_and_object": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": json.dumps(SCHEMA)}}, "extra_body": {"guided_json": SCHEMA}},
+    "max_completion_tokens_invalid": {"extra_body": {"max_completion_tokens": "abc"}},
+    "message_key_newline": {"messages": [{"role": "user", "content": "hi",
+                                          "x\nINFO forged line": 1}]},
+    "new_ignored_fields": {"stream": True, "extra_body": {"prompt_cache_retention": "24h",
+                                          "prompt_cache_options": {"ttl": 1},
+                                          "stream_options": {"include_usage": True,
+                                                             "include_obfuscation": True}}},
+    # bodies nested as deep as a client may send them (JSON text, posted as it is)
+    "deep_tool_parameters": {"raw": _raw_chat(tool_params=_deep(DEPTH))},
+    "deep_arguments": {"raw": _raw_chat(arguments=_deep(DEPTH))},
+    # /v1/completions
+    "completion_stream_usage": {"completions": True, "stream": True,
+                                "stream_options": {"include_usage": True}},
+    "completion_json_schema": {"completions": True, "extra_body": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}}},
+    "completion_json_schema_text": {"completions": True, "extra_body": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer",
+                                               "schema": json.dumps(SCHEMA)}}}},
+    "completion_logprobs_text": {"completions": True, "extra_body": {"logprobs": "two"}},
+    "completion_ignored_fields": {"completions": True, "stream": True, "extra_body": {
+        "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 1},
+        "stream_options": {"include_usage": True, "include_obfuscation": False}}},
 }
 
 
-def run_case(client, engine, name, kwargs):
+def _calls(tool_calls):
+    return [[c.function.name, c.function.arguments] for c in tool_calls or ()]
+
+
+def _stream_out(out, chunks):
+    """What a streaming client puts together: text, tool calls (by index), finish reasons."""
+    out["chunk_usage"] = [None if c.usage is None else c.usage.total_tokens for c in chunks]
+    calls, finish = {}, []
+    text = []
+    for c in chunks:
+        for choice in c.choices:
+            delta = getattr(choice, "delta", None)
+            text.append((delta.content if delta is not None else choice.text) or "")
+            for call in (getattr(delta, "tool_calls", None) or ()):
+                seen = calls.setdefault(call.index, [None, ""])
+                seen[0] = (call.function.name if call.function else None) or seen[0]
+                seen[1] += (call.function.arguments if call.function else None) or ""
+            if choice.finish_reason:
+                finish.append(choice.finish_reason)
+    out.update(text="".join(text), tool_calls=[calls[k] for k in sorted(calls)],
+               finish=finish)
+
+
+def run_case(client, engine, name, kwargs, port):
+    import httpx
     import openai
 
     kwargs = dict(kwargs)
@@ -237,29 +351,60 @@ def run_case(client, engine, name, kwargs):
     before = len(engine.seen)
     out = {"case": name}
     try:
-        if kwargs.pop("completions", False):
+        if "raw" in kwargs:
+            resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                              content=kwargs["raw"], timeout=60,
+                              headers={"Content-Type": "application/json"})
+            out["status"] = resp.status_code
+            try:
+                out["message"] = resp.json().get("message")
+            except ValueError:
+                out["message"] = resp.text[:300]
+        elif kwargs.pop("completions", False):
             resp = client.completions.create(model="tiny", prompt="hi", **kwargs)
             out["status"] = 200
-            out["text"] = resp.choices[0].text
+            if kwargs.get("stream"):
+                _stream_out(out, list(resp))
+            else:
+                out["text"] = resp.choices[0].text
         elif kwargs.get("stream"):
             chunks = list(client.chat.completions.create(model="tiny", messages=messages,
                                                          **kwargs))
             out["status"] = 200
-            out["chunk_usage"] = [None if c.usage is None else c.usage.total_tokens
-                                  for c in chunks]
-            out["text"] = "".join(c.choices[0].delta.content or "" for c in chunks
-                                  if c.choices)
+            _stream_out(out, chunks)
         else:
             resp = client.chat.completions.create(model="tiny", messages=messages, **kwargs)
             out["status"] = 200
             out["text"] = resp.choices[0].message.content
+            out["tool_calls"] = _calls(resp.choices[0].message.tool_calls)
+            out["finish"] = [resp.choices[0].finish_reason]
+            out["id"] = resp.id
             out["usage"] = resp.usage.model_dump() if resp.usage else None
     except openai.APIStatusError as exc:
         out["status"] = exc.status_code
         body = exc.body if isinstance(exc.body, dict) else {}
         out["message"] = body.get("message", str(exc))
+    except openai.APIConnectionError as exc:  # the server dropped the connection
+        out["status"] = "connection lost"
+        out["message"] = repr(exc.__cause__)
     out["queued"] = engine.seen[before:]
     return out
+
+
+def metrics_lines(port):
+    """The shim's series on the app's own /metrics (the in-process exporter registered)."""
+    import httpx
+
+    try:
+        from vllm_bi100_patch import metrics_export
+    except ImportError:
+        return []
+    exporter = metrics_export.exporter()
+    if exporter is not None:
+        exporter.tick()
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+    return [ln for ln in text.splitlines() if ln.startswith("vllm_bi100:") and
+            ("tool_" in ln or "request_compat" in ln)]
 
 
 def doctor_lines():
@@ -277,11 +422,13 @@ def main():
 
     scheduler_probe.main()  # vLLM's own Scheduler and add_request, in the same interpreter
     engine, server, thread, port = serve()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                           max_retries=0, timeout=60)
     try:
         for name, kwargs in CASES.items():
-            report(**run_case(client, engine, name, kwargs), openai=openai.__version__)
+            # a client per case: a 500 (stock) ends its connection
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                   max_retries=0, timeout=60)
+            report(**run_case(client, engine, name, kwargs, port), openai=openai.__version__)
+        report(case="metrics", lines=metrics_lines(port))
         try:
             import vllm_bi100_patch
             report(case="status", status=vllm_bi100_patch.status(), doctor=doctor_lines())

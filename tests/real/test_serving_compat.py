@@ -7,39 +7,19 @@ All probes start at once (one server app per run, no model): a few seconds past 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from helpers.probes import clean_env, installed_vllm, reports
 
 pytestmark = pytest.mark.real_vllm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-INSTALLED = installed_vllm()
-SHIM = {"VLLM_BI100_PATCH": "1"}
-STOCK = {"VLLM_BI100_PATCH": "0"}
 ROWS = ("unschedulable_group", "seq_limit_engine", "seq_limit_client", "seq_limit_openai",
-        "chat_request_compat", "error_message_cause")
-#: One interpreter each (both started at once): the scheduler scenarios, then the server app.
-RUNS = {"shim": SHIM, "stock": STOCK}
+        "chat_request_compat", "completion_request_compat", "chat_tool_calls",
+        "error_message_cause")
 
 
 @pytest.fixture(scope="module")
-def runs():
-    if not INSTALLED.startswith("0.6.3"):
-        pytest.skip(f"the serving rows are for vLLM 0.6.3; this is {INSTALLED}")
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "serving_app.py")],
-                                    env=clean_env(env), cwd=HERE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, env in RUNS.items()}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        out[name] = {r.get("case", r.get("scenario")): r for r in reports(done)}
-        out[name + "_log"] = stdout + stderr  # vLLM's logger writes to stdout
+def runs(serving_runs):
+    """The session's two runs (conftest.py), under the names these tests read."""
+    out = dict(serving_runs)
     # the scheduler's and the app's views of the same runs
     out["app_shim"] = out["sched_shim"] = out["shim"]
     out["app_stock"] = out["sched_off"] = out["stock"]
@@ -80,8 +60,10 @@ def test_fields_of_todays_clients_are_mapped_losslessly(runs):
     assert shim["ignored_fields"]["queued"] == shim["plain"]["queued"]
     log = runs["app_shim_log"]
     for field in ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                  "prediction", "modalities"):
-        assert log.count(f"field `{field}` accepted and ignored") == 1, (field, log[-3000:])
+                  "prediction", "modalities", "prompt_cache_retention", "prompt_cache_options",
+                  "stream_options.include_obfuscation"):
+        assert log.count(f"chat requests' field `{field}` accepted and ignored") == 1, \
+            (field, log[-3000:])
     assert log.count("message key `reasoning_content` accepted and ignored") == 1
     assert "reasoning_content" in stock["message_extra_key"]["message"]
     # A strict tool named in tool_choice is enforced: its parameters are the guided schema.
@@ -125,8 +107,7 @@ def test_every_refusal_is_a_400_that_names_its_cause(runs):
     expect = {
         "reasoning_effort": "`reasoning_effort` is not supported by this server",
         "unknown_field": "frobnicate",
-        "strict_true_auto": "tools[0].function.strict is true",
-        "tool_choice_required": '`tool_choice: "required"` is not supported',
+        "strict_one": "`tools[0].function.strict` must be true or false, not 1",
         "invalid_arguments": "messages[1].tool_calls[0].function.arguments is not valid JSON",
         "empty_messages": "`messages` is empty",
         "n_over_max_num_seqs": "n=2 asks for 2 parallel sequences, but this server runs at "
@@ -186,7 +167,8 @@ def test_the_front_end_reads_the_limit_of_its_engine_client(runs):
 def test_doctor_has_a_line_per_row(runs):
     doctor = runs["shim"]["status"]["doctor"]
     for attr in ("_schedule_prefills", "add_request", "__init__", "_check_model",
-                 "ChatCompletionRequest", "create_error_response"):
+                 "ChatCompletionRequest", "CompletionRequest", "create_chat_completion",
+                 "create_error_response"):
         lines = [ln for ln in doctor if f"] code check {attr}: " in ln]
         assert lines and all(ln.startswith("  [ok  ]") for ln in lines), (attr, doctor)
     assert not [ln for ln in doctor if "FAIL" in ln], doctor

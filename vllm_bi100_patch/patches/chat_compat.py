@@ -8,33 +8,36 @@ vLLM 0.6.3's ``ChatCompletionRequest`` (``vllm/entrypoints/openai/protocol.py``,
 in CoreX 3.2.3) is a pydantic model with ``extra="forbid"``: FastAPI validates the request body
 with it before any of vLLM's code runs, so the only place to map a body is inside that
 validation.  The row replaces the module's class with a subclass carrying one pydantic *wrap*
-validator (it runs before 0.6.3's own ``before`` validators, on the raw body) that applies
-``rewrite``; everything else is 0.6.3's class.  ``rewrite`` is plain Python on dicts: it maps
-only what maps losslessly, drops only fields that change nothing a self-hosted server does
-(each named once per process in a WARNING), and refuses, naming the field and why, what it
-cannot serve.  A field it does not know stays refused by 0.6.3 itself, by name.
+validator (``request_body.request_class``: it runs before 0.6.3's own ``before`` validators, on
+the raw body, and turns what they crash on into a 400) that applies ``rewrite``; everything
+else is 0.6.3's class.  ``rewrite`` is plain Python on dicts, copying only what it changes: it
+maps only what maps losslessly, drops only fields that change nothing a self-hosted server
+does (each named once per process in a WARNING over a bounded set of names), and refuses,
+naming the field and why, what it cannot serve.  A field it does not know stays refused by
+0.6.3 itself, by name.  The tool fields are ``tool_choice.tools``; the tool plan it returns
+rides on the validated request to row ``chat_tool_calls`` (``patches/tool_calls.py``).
 
 Never imports vLLM (pydantic is imported when the class is built: vLLM's front end has it).
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import threading
+import sys
 import types
 import typing
-from typing import Any, Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from .. import config
-from .._log import log
 from ..versions import Family
-from . import code_shapes
+from . import code_shapes, request_body, tool_choice
 from ._common import counter
 from .block_tables import fingerprint
+from .request_body import RequestRefused, shown
 from .seq_limit import only_063
 
 OWNER = "ChatCompletionRequest"
+ENDPOINT = "chat"
 REWRITES = counter("chat_request_compat")
 IGNORED_CALLS = counter("chat_fields_ignored")
 
@@ -46,6 +49,7 @@ IGNORED: Dict[str, str] = {
     "prompt_cache_key": "OpenAI's cache-routing hint; vLLM's prefix cache needs none",
     "safety_identifier": "an end-user identifier for OpenAI's abuse monitoring, like `user`",
     "prediction": "a predicted output: a latency hint, the answer does not depend on it",
+    **request_body.IGNORED_BOTH,
 }
 #: Request fields that would change the answer and that vLLM 0.6.3 cannot honour: a 400 that
 #: says so (0.6.3 itself refuses them as unknown fields).
@@ -56,152 +60,143 @@ REFUSED: Dict[str, str] = {
     "audio": "audio output is not served by vLLM 0.6.3",
 }
 TEXT_ONLY = ["text"]
-#: The body's values ``rewrite`` changes in place (copied first).
-MUTATED = ("messages", "tools", "stream_options")
-
-_warned: set = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(what: str, why: str) -> None:
-    IGNORED_CALLS.add()
-    with _warned_lock:
-        if what in _warned:
-            return
-        _warned.add(what)
-    log.warning("vllm-bi100-patch: chat requests' %s accepted and ignored (%s); logged once "
-                "per process", what, why)
+#: Message keys clients are known to echo back (warned about by name); any other key no
+#: message type has is a made-up name (warned about escaped, under a cap: request_body).
+KNOWN_MESSAGE_KEYS = ("reasoning_content", "reasoning", "thinking", "annotations", "refusal",
+                      "audio", "function_call", "id", "prefix", "partial")
+WHY_KEY = "not a key of any message type vLLM 0.6.3 reads; upstream ignores it from 0.6.5 (#10463)"
 
 
-class RequestRefused(ValueError):
-    """A body the server cannot serve as asked (pydantic turns it into a 400 naming it)."""
+def _warn(what: str, why: str, made_up: str = "") -> None:
+    request_body.warn_once(IGNORED_CALLS, ENDPOINT, what, why, made_up)
 
 
-def _is_json(text: str) -> Optional[str]:
+def _is_json(text: str, where: str) -> Optional[str]:
     try:
         json.loads(text)
     except ValueError as exc:
         return str(exc)
+    except RecursionError:
+        raise RequestRefused(f"{where} nests deeper than this server parses") from None
     return None
 
 
-def _messages(data: Dict[str, Any], message_keys: FrozenSet[str]) -> None:
+def _tool_calls(i: int, calls: List[Any]) -> Optional[List[Any]]:
+    """The message's tool calls with object arguments as their JSON text (a new list), None
+    when none changes; invalid JSON text a 400 naming where."""
+    new = None
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or "arguments" not in function:
+            continue
+        where = f"messages[{i}].tool_calls[{j}].function.arguments"
+        args = function["arguments"]
+        if isinstance(args, (dict, list)):
+            try:
+                text = json.dumps(args, ensure_ascii=False)
+            except RecursionError:
+                raise RequestRefused(f"{where} nests deeper than this server handles") from None
+            new = new if new is not None else list(calls)
+            new[j] = dict(call, function=dict(function, arguments=text))
+        elif isinstance(args, str):
+            problem = _is_json(args, where)
+            if problem is not None:
+                raise RequestRefused(f"{where} is not valid JSON ({problem})")
+    return new
+
+
+def _message(i: int, message: Dict[str, Any], message_keys: FrozenSet[str]) -> Dict[str, Any]:
+    """The message mapped (a copy when anything changes)."""
+    out = message
+    if message.get("role") == "developer":  # OpenAI's name for system since o1
+        out = dict(out, role="system")
+    extra = [k for k in message if k not in message_keys]
+    if extra:
+        out = {k: v for k, v in out.items() if k in message_keys}
+        for key in extra:
+            if key in KNOWN_MESSAGE_KEYS:
+                _warn(f"message key `{key}`", WHY_KEY)
+            else:
+                _warn("message key", WHY_KEY, made_up=str(key))
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        new = _tool_calls(i, calls)
+        if new is not None:
+            out = dict(out, tool_calls=new)
+    return out
+
+
+def _messages(data: Dict[str, Any], message_keys: FrozenSet[str]) -> bool:
     messages = data.get("messages")
     if not isinstance(messages, list):
-        return  # 0.6.3 refuses it by name
+        return False  # 0.6.3 refuses it by name
     if not messages:
         raise RequestRefused("`messages` is empty: a chat completion needs at least one message")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            continue
-        if message.get("role") == "developer":  # OpenAI's name for system since o1
-            message["role"] = "system"
-        for key in [k for k in message if k not in message_keys]:
-            del message[key]
-            _warn_once(f"message key `{key}`", "not a key of any message type vLLM 0.6.3 "
-                       "reads; upstream ignores it from 0.6.5 (#10463)")
-        calls = message.get("tool_calls")
-        if not isinstance(calls, list):
-            continue
-        for j, call in enumerate(calls):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or "arguments" not in function:
-                continue
-            where = f"messages[{i}].tool_calls[{j}].function.arguments"
-            args = function["arguments"]
-            if isinstance(args, (dict, list)):
-                function["arguments"] = json.dumps(args, ensure_ascii=False)
-            elif isinstance(args, str):
-                problem = _is_json(args)
-                if problem is not None:
-                    raise RequestRefused(f"{where} is not valid JSON ({problem})")
+    new = [_message(i, m, message_keys) if isinstance(m, dict) else m
+           for i, m in enumerate(messages)]
+    if any(a is not b for a, b in zip(new, messages)):
+        data["messages"] = new
+        return True
+    return False
 
 
-def _tools(data: Dict[str, Any]) -> None:
-    choice = data.get("tool_choice")
-    if choice == "none":  # vLLM 0.6.4 (#10000): no tool is called, the tools are dropped
-        data.pop("tool_choice")
-        data.pop("tools", None)
+def _max_completion_tokens(data: Dict[str, Any]) -> None:
+    """OpenAI's current name for ``max_tokens``; it wins when both are given (#9837).  An
+    invalid value is refused under the name the client sent."""
+    value = data.pop("max_completion_tokens")
+    if value is None:
         return
-    if choice == "required":
-        raise RequestRefused("`tool_choice: \"required\"` is not supported by this server "
-                             "(vLLM 0.6.3 cannot force a tool call); name the tool in "
-                             "`tool_choice` or use \"auto\"")
-    tools = data.get("tools")
-    if not isinstance(tools, list):
-        return
-    named = None
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        named = choice["function"].get("name")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or "strict" not in function:
-            continue
-        strict = function["strict"]
-        if strict is True and function.get("name") != named:
-            raise RequestRefused(
-                f"tools[{i}].function.strict is true, but this server enforces a tool's "
-                "parameters only when `tool_choice` names that tool (guided decoding); name "
-                f"it in `tool_choice` or send `strict: false`")
-        if strict not in (True, False, None):
-            continue  # 0.6.3 refuses it by name
-        del function["strict"]  # false: nothing to enforce; true: guided by tool_choice
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # what pydantic accepts for max_tokens, accepted here too
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRefused(f"`max_completion_tokens` must be an integer, not {shown(value)}")
+    if value < 1:
+        raise RequestRefused(f"`max_completion_tokens` must be at least 1, got {value}")
+    data["max_tokens"] = value
 
 
-def _response_format(data: Dict[str, Any]) -> None:
-    fmt = data.get("response_format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        return
-    spec = fmt.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise RequestRefused("`response_format.json_schema.schema` is missing: a json_schema "
-                             "response format needs the schema")
-    guided = data.get("guided_json")
-    if guided is not None and guided != schema:
-        raise RequestRefused("`guided_json` and `response_format.json_schema` give two "
-                             "different schemas")
-    data["guided_json"] = schema  # vLLM 0.6.4 (#9530): the schema is enforced
-
-
-def rewrite(data: Dict[str, Any], fields: FrozenSet[str], message_keys: FrozenSet[str]
-            ) -> Dict[str, Any]:
-    """The body with today's clients' fields mapped onto vLLM 0.6.3's (in place).
+def rewrite(data: Dict[str, Any], fields: FrozenSet[str], message_keys: FrozenSet[str],
+            serve_required: bool = True) -> Tuple[Dict[str, Any], bool,
+                                                  Optional[tool_choice.ToolPlan]]:
+    """The body with today's clients' fields mapped onto vLLM 0.6.3's (a new dict; what it
+    changes inside is copied), whether anything changed, and the tool plan (or None).
 
     ``fields``: the request model's own fields (a field the model has is never touched);
-    ``message_keys``: every key of a message type it reads.  Raises ``RequestRefused``
-    naming the field for what cannot be served as asked."""
+    ``message_keys``: every key of a message type it reads; ``serve_required``: whether row
+    ``chat_tool_calls`` is live.  Raises ``RequestRefused`` naming the field for what cannot
+    be served as asked."""
+    data = dict(data)
+    before = set(data)
+    changed = False
     for name, why in REFUSED.items():
         if name in data and name not in fields:
             if data[name] is not None:
                 raise RequestRefused(f"`{name}` is not supported by this server: {why} "
                                      "(refused rather than ignored)")
             del data[name]  # null: the default, which is what this server does
-            _warn_once(f"field `{name}: null`", "null asks for the default")
+            _warn(f"field `{name}: null`", "null asks for the default")
     modalities = data.get("modalities")
     if "modalities" not in fields and "modalities" in data:
         if modalities not in (None, TEXT_ONLY):
-            raise RequestRefused(f"`modalities` {modalities!r}: this server answers in text "
-                                 "only (send [\"text\"] or leave it out)")
+            raise RequestRefused(f"`modalities` {shown(modalities)}: this server answers in "
+                                 "text only (send [\"text\"] or leave it out)")
         del data["modalities"]
-        _warn_once("field `modalities`", "[\"text\"] is what this server answers anyway")
-    for name, why in IGNORED.items():
-        if name in data and name not in fields:
-            del data[name]
-            _warn_once(f"field `{name}`", why)
+        _warn("field `modalities`", "[\"text\"] is what this server answers anyway")
+    request_body.drop_ignored(data, fields, IGNORED, IGNORED_CALLS, ENDPOINT)
     if "max_completion_tokens" in data and "max_completion_tokens" not in fields:
-        value = data.pop("max_completion_tokens")
-        if value is not None:  # OpenAI's current name for max_tokens; it wins (#9837)
-            data["max_tokens"] = value
+        _max_completion_tokens(data)
     if data.get("top_logprobs") == 0 and not data.get("logprobs"):
         del data["top_logprobs"]  # zero alternatives of no logprobs: nothing to return
-    options = data.get("stream_options")
-    if isinstance(options, dict) and "continuous_usage_stats" not in options:
-        options["continuous_usage_stats"] = False  # usage on the final chunk only (0.6.4)
-    _messages(data, message_keys)
-    _tools(data)
-    _response_format(data)
-    return data
+    changed |= request_body.stream_options(data, IGNORED_CALLS, ENDPOINT)
+    changed |= _messages(data, message_keys)
+    watched = ("tools", "tool_choice", "guided_json")
+    seen = [data.get(k) for k in watched]
+    plan = tool_choice.tools(data, serve_required)
+    changed |= any(data.get(k) is not v for k, v in zip(watched, seen))  # never compared deep
+    changed |= request_body.response_format(data)
+    return data, changed or set(data) != before, plan
 
 
 def _typed_dict_keys(tp: Any, out: set) -> None:
@@ -281,38 +276,34 @@ def check(cls: Any) -> Optional[str]:
     return code_shapes.unknown_shape(f"{OWNER}'s validators", shape, KNOWN)
 
 
+#: Where row ``chat_tool_calls`` wraps ``OpenAIServingChat.create_chat_completion``.
+SERVING_CHAT = "vllm.entrypoints.openai.serving_chat"
+
+
+def tool_calls_live() -> bool:
+    """Whether row ``chat_tool_calls`` is installed in this process now (it serves the
+    ``tool_choice: "required"`` answers this row maps)."""
+    module = sys.modules.get(SERVING_CHAT)
+    cls = vars(module).get("OpenAIServingChat") if module is not None else None
+    if not isinstance(cls, type):
+        return False
+    from .. import registry
+
+    return registry.is_ours(vars(cls).get("create_chat_completion"))
+
+
 def make_request_class(family: Family, original: Any, module: types.ModuleType,
                        settings: config.Settings) -> type:
     """The subclass of ``original`` (0.6.3's ``ChatCompletionRequest``) that ``rewrite``s
-    the body inside its own validation."""
-    from pydantic import model_validator
-
-    fields = frozenset(original.model_fields)
-    for field in original.model_fields.values():
-        if field.alias:
-            fields |= {field.alias}
+    the body inside its own validation (``request_body.request_class``)."""
+    fields = request_body.field_names(original)
     keys = message_keys_of(original)
 
-    class ChatCompletionRequest(original):  # type: ignore[misc, valid-type]
-        @model_validator(mode="wrap")
-        @classmethod
-        def _vllm_bi100_compat(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
-            if isinstance(data, dict):
-                body = dict(data)
-                for key in MUTATED:  # the caller's own objects are never changed
-                    if key in body:
-                        body[key] = copy.deepcopy(body[key])
-                body = rewrite(body, fields, keys)
-                if body != data:
-                    REWRITES.add()
-                data = body
-            return handler(data)
+    def mapping(data: Dict[str, Any]) -> Tuple[Dict[str, Any], bool, Any]:
+        return rewrite(data, fields, keys, tool_calls_live())
 
-    ChatCompletionRequest.__module__ = original.__module__
-    ChatCompletionRequest.__qualname__ = original.__qualname__
-    ChatCompletionRequest.__doc__ = original.__doc__
-    return ChatCompletionRequest
+    return request_body.request_class(original, mapping, REWRITES)
 
 
 __all__: List[str] = ["IGNORED", "REFUSED", "RequestRefused", "rewrite", "compat_needed",
-                      "check", "make_request_class"]
+                      "check", "make_request_class", "tool_calls_live"]
