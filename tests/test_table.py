@@ -27,8 +27,11 @@ def test_every_row_is_well_formed():
                                       "vllm.core.scheduler", "vllm.engine.llm_engine",
                                       "vllm.engine.multiprocessing.client",
                                       "vllm.entrypoints.openai.serving_engine",
-                                      "vllm.entrypoints.openai.protocol")
-    assert [p.name for p in table.guards()] == ["import_guard"]
+                                      "vllm.entrypoints.openai.protocol",
+                                      "vllm.engine.async_llm_engine", "vllm.entrypoints.llm",
+                                      "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser",
+                                      "vllm.entrypoints.openai.serving_chat")
+    assert [p.name for p in table.guards()] == ["import_guard", "guided_decoding_imports"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row
         if row.when:
