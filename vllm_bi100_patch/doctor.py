@@ -330,10 +330,10 @@ def _patch_sections(settings: config.Settings, family: versions.Family
         sections.append(_native_section(settings))
     from . import ops_audit, registry
 
-    sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
-                            ops_audit.doctor_checks(registry.last_report().applied)))
     if doctor_serving.applies(versions.installed_vllm_version()):  # vLLM 0.5.x - 0.6.4
         sections.append(Section("guided decoding", doctor_serving.guided_checks(settings)))
+    sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
+                            ops_audit.doctor_checks(registry.last_report().applied)))
     return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,
             would)
 

@@ -56,6 +56,9 @@ def _runs(tmp):
         # the default front end without seq_limit_openai: its client refuses on its own
         "app": ("tool_stream_app.py", [], dict(SHIM, **{DISABLE: "seq_limit_openai"})),
         "app_stock": ("tool_stream_app.py", [], STOCK),
+        # --disable-frontend-multiprocessing: the app around vLLM's AsyncLLMEngine
+        "in_process": ("tool_stream_app.py", ["in_process"], dict(SHIM, **cache)),
+        "in_process_stock": ("tool_stream_app.py", ["in_process"], dict(STOCK, **cache)),
         "late": ("tool_stream_app.py", ["late"], SHIM),  # reverted at start, applied later
         "enforce": ("guided_probe.py", ["enforce"], dict(SHIM, **cache)),
         "guides": ("guided_probe.py", ["guides"], dict(SHIM, OUTLINES_CACHE_DIR=os.path.join(
@@ -216,6 +219,22 @@ def test_guided_decoding_works_as_installed(runs):
                                                "'pyairports'"
     assert stock["async_guided"]["errored"] is True
     assert stock["async_guided"]["plain"]["error"].startswith("AsyncEngineDeadError")
+
+
+def test_the_server_answers_an_unbuildable_guide_with_a_400_and_runs_on(runs):
+    """0.6.3's own app around its ``AsyncLLMEngine`` (``--disable-frontend-multiprocessing``):
+    a guide that cannot be built is a 400 naming the cause (an error event in a stream already
+    answered), and the next requests are served; stock, the engine loop dies: 500s."""
+    app = runs["in_process"]
+    cause = ("guided decoding (regex, backend outlines) cannot be built on this server: "
+             "Unsupported: lookbacks are not implemented")
+    assert app["bad_guide"]["status"] == 400 and app["bad_guide"]["error"] == cause, app
+    assert app["bad_guide_stream"]["error"][0]["message"] == cause
+    for case in ("plain", "choice"):
+        assert app[case]["status"] == 200 and app[case]["text"] == ["aa"], app[case]
+    assert app["n5"]["status"] == 400 and "max_num_seqs=4" in app["n5"]["error"]
+    stock = runs["in_process_stock"]
+    assert {stock[c]["status"] for c in ("bad_guide", "plain", "choice", "n5")} == {500}, stock
 
 
 def test_guided_decoding_enforces_schema_tool_and_required(runs):

@@ -11,6 +11,10 @@ token, its own delta), then the JSON in small pieces, then ``</tool_call>`` and 
 the turn (an empty delta with the end-of-sequence token), or cut short by ``max_tokens``
 (``finish_reason: "length"``).  The user message names the script.
 
+``python tool_stream_app.py in_process``: the front end with its engine in its own process
+(``--disable-frontend-multiprocessing``): vLLM's ``AsyncLLMEngine`` (engine_harness.py), a
+guide that cannot be built, a plain and a guided request after it, n over max_num_seqs.
+
 ``python tool_stream_app.py late``: the shim is taken off at start (``revert()``) and applied
 (``vllm_bi100_patch.apply()``) only after vLLM's ``api_server`` was imported and a first app
 built, as an activation through vLLM's plugin entry point does in a ``vllm serve`` front end; a
@@ -97,8 +101,10 @@ def client_class():
     return StandInClient
 
 
-def build(args_list, late=False):
-    """The app, its client and its event loop, serving on 127.0.0.1 in a thread."""
+def build(args_list, late=False, in_process=False):
+    """The app, its client and its event loop, serving on 127.0.0.1 in a thread; with
+    ``in_process``, the engine client is vLLM's ``AsyncLLMEngine`` (engine_harness.py: a
+    stand-in executor), as ``--disable-frontend-multiprocessing`` serves."""
     import uvicorn
 
     from vllm.entrypoints.openai import api_server
@@ -119,7 +125,8 @@ def build(args_list, late=False):
     out = {}
 
     async def start():
-        out["client"] = client_class()("ipc:///tmp/bi100-no-engine", config)
+        out["client"] = engine_harness.async_engine(args.max_num_seqs) if in_process else \
+            client_class()("ipc:///tmp/bi100-no-engine", config)
         apps = [api_server.build_app(args)]
         if late:  # the shim activates after the first app was built
             import vllm_bi100_patch
@@ -150,14 +157,20 @@ def post(port, body):
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = dict({"model": "tiny"}, **body)
+    def parsed(resp):
+        try:
+            return resp.json()
+        except ValueError:  # a 500's plain text
+            return {"message": resp.text}
+
     with httpx.Client(timeout=60) as http:
         if not body.get("stream"):
             resp = http.post(url, json=body)
-            return resp.status_code, resp.json()
+            return resp.status_code, parsed(resp)
         with http.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 resp.read()
-                return resp.status_code, resp.json()
+                return resp.status_code, parsed(resp)
             events = [line[len("data: "):] for line in resp.iter_lines()
                       if line.startswith("data: ")]
             return resp.status_code, [e if e == "[DONE]" else json.loads(e) for e in events]
@@ -210,6 +223,23 @@ def cases(port):
                chunks=len(body) if isinstance(body, list) else None)
 
 
+def in_process_cases(port):
+    """The in-process front end (``AsyncLLMEngine``): a guide that cannot be built, then a
+    plain request and a guided one (the engine must still run), n over max_num_seqs."""
+    user = [{"role": "user", "content": "text"}]
+    for stream in (False, True):
+        code, body = post(port, {"messages": user, "guided_regex": "(?<=a)b", "stream": stream,
+                                 "max_tokens": 2})
+        report(case=f"bad_guide{'_stream' if stream else ''}", status=code,
+               error=body.get("message") if isinstance(body, dict) else
+               summary(code, body)["errors"])
+    for name, extra in (("plain", {}), ("choice", {"guided_choice": ["yes", "no"]}),
+                        ("n5", {"n": 5})):
+        code, body = post(port, dict({"messages": user, "max_tokens": 2}, **extra))
+        report(case=name, status=code, error=body.get("message"),
+               text=[c["message"]["content"] for c in body.get("choices", ())])
+
+
 def late_cases(out):
     import vllm_bi100_patch
 
@@ -244,10 +274,12 @@ def main(mode):
 
         vllm_bi100_patch.revert()
     out, thread = build(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--max-num-seqs", "4"], late=late)
+                         "--max-num-seqs", "4"], late=late, in_process=mode == "in_process")
     try:
         if late:
             late_cases(out)
+        elif mode == "in_process":
+            in_process_cases(out["ports"][0])
         else:
             cases(out["ports"][0])
             try:
