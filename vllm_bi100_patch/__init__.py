@@ -54,7 +54,9 @@ def revert() -> Dict[str, Any]:
 
 def status() -> Dict[str, Any]:
     """Facts about this process: configuration, vLLM version and family, what is patched,
-    the import guard, call and route counters, where the metrics go, and
+    the import guard, the pyairports stand-in (``guided_imports``), where each replaced class
+    was rebound and what it could not reach (``class_bindings``), call and route counters,
+    where the metrics go, and
     ``slicing_invariant``: whether every prompt and prefix attention row is the shim's, hence
     bit-identical however vLLM slices a prompt (``invariance.verdict``). Imports nothing
     heavy, patches nothing.
@@ -84,6 +86,8 @@ def status() -> Dict[str, Any]:
         "serving_path": versions.serving_path_note(info),
         "config_live": None,
         "metrics": {"export": "not started"},
+        "guided_imports": None,
+        "class_bindings": {},
     }
     if (live.mode, live.raw.get(config.MODE), live.disabled) != (
             settings.mode, settings.raw.get(config.MODE), settings.disabled):
@@ -105,6 +109,14 @@ def status() -> Dict[str, Any]:
 
             data["native_ops"] = paged_attention.native_profile()
         data["import_guard"] = import_guard.state()
+        if "vllm_bi100_patch.guided_imports" in sys.modules:
+            from . import guided_imports
+
+            data["guided_imports"] = guided_imports.state()
+        if "vllm_bi100_patch.rebind" in sys.modules:
+            from . import rebind
+
+            data["class_bindings"] = rebind.state()
         data["slicing_invariant"] = invariance.verdict(
             settings, data["report"], data["counts"],
             inactive=None if data["active"] else data["decision"])

@@ -33,13 +33,14 @@ ROWS: Tuple[Patch, ...] = (
             "the head of the waiting queue when it does not fit the budget: that request and "
             "every request behind it wait forever (one client stops the server; `n=2` under "
             "`--max-num-seqs 1`, `n=257` under the default 256), with chunked prefill on or off",
-        how="before the original runs, a head of the waiting queue whose "
-            "`get_max_num_running_seqs()` exceeds `max_num_seqs` leaves the queue as ignored "
-            "(`FINISHED_IGNORED`, returned in `ignored_seq_groups`, one WARNING naming the "
-            "request, n and max_num_seqs), as vLLM does for a prompt over the limit; the "
-            "requests behind it are scheduled. The other `break`s of the loop (allocation "
-            "`LATER`, an exhausted budget, the delay) pass once running requests finish; "
-            "only where the method has the code shape it was checked against",
+        how="before the original runs, every group of the waiting queue (not only its head: "
+            "the loop skips a head waiting for a LoRA slot and would break on a group behind "
+            "it) whose `get_max_num_running_seqs()` exceeds `max_num_seqs` leaves the queue "
+            "as ignored (`FINISHED_IGNORED`, returned in `ignored_seq_groups`, one WARNING "
+            "naming the request, n and max_num_seqs), as vLLM does for a prompt over the "
+            "limit; the requests behind it are scheduled. The other `break`s of the loop "
+            "(allocation `LATER`, an exhausted budget, the delay) pass once running requests "
+            "finish; only where the method has the code shape it was checked against",
         vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
     Patch(
         "seq_limit_engine", WRAP_INSTANCE, LLM_ENGINE + ":LLMEngine.add_request",
@@ -55,27 +56,32 @@ ROWS: Tuple[Patch, ...] = (
         vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
     Patch(
         "seq_limit_client", WRAP_INSTANCE, MQ_CLIENT + ":MQLLMEngineClient.__init__",
-        "vllm_bi100_patch.patches.seq_limit:make_client_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_client",
+        "vllm_bi100_patch.patches.seq_limit_front:make_client_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit_front:check_client",
         when="vllm_bi100_patch.patches.seq_limit:limit_needed",
-        why="the OpenAI server's front end (a separate process from the engine by default) "
-            "does not know `max_num_seqs`, so it cannot refuse such a request before it "
-            "answers a stream with 200",
-        how="records the engine configuration's `scheduler_config.max_num_seqs` when the "
-            "front end builds its engine client (`seq_limit_openai` reads it); nothing else "
-            "changes",
+        counters=("seq_limit_client",),
+        why="the OpenAI server's default front end (a separate process from the engine) does "
+            "not know `max_num_seqs`: a chat or completion request whose `n`/`best_of` "
+            "exceeds it is accepted, a stream answered 200, before the engine refuses it",
+        how="the front end's engine client reads `scheduler_config.max_num_seqs` from the "
+            "engine configuration it is built with, and its `generate` refuses such a "
+            "request with the `ValueError` of `seq_limit_engine`, which vLLM's serving "
+            "classes answer with a 400 before any stream starts; the check is this row's "
+            "alone (its kill switch turns off nothing else)",
         vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
     Patch(
         "seq_limit_openai", WRAP_INSTANCE, SERVING + ":OpenAIServing._check_model",
-        "vllm_bi100_patch.patches.seq_limit:make_check_model_wrapper",
-        params="code:vllm_bi100_patch.patches.seq_limit:check_check_model",
+        "vllm_bi100_patch.patches.seq_limit_front:make_check_model_wrapper",
+        params="code:vllm_bi100_patch.patches.seq_limit_front:check_check_model",
         when="vllm_bi100_patch.patches.seq_limit:limit_needed",
         counters=("seq_limit_openai",),
-        why="the OpenAI server accepts a chat or completion request whose `n`/`best_of` "
-            "exceeds `max_num_seqs` (a stream is answered 200 before the engine refuses it)",
+        why="with the engine in the front end's own process (`--disable-frontend-"
+            "multiprocessing`), the OpenAI server accepts a chat or completion request whose "
+            "`n`/`best_of` exceeds `max_num_seqs` (a stream is answered 200 before the "
+            "engine refuses it)",
         how="after the model check, such a request gets a 400 naming n (or best_of) and "
             "max_num_seqs before anything is queued; the limit is the in-process engine's "
-            "(`--disable-frontend-multiprocessing`) or the one `seq_limit_client` recorded",
+            "(the default front end's client refuses on its own: `seq_limit_client`)",
         vllm=_SEQ_LIMIT_VLLM, upstream=_SEQ_LIMIT_UPSTREAM, removal=_SEQ_LIMIT_REMOVAL),
     Patch(
         "chat_request_compat", REPLACE_CLASS, PROTOCOL + ":ChatCompletionRequest",
@@ -114,8 +120,10 @@ ROWS: Tuple[Patch, ...] = (
             "`messages: []` and `reasoning_effort`, `verbosity`, `audio`, other modalities a "
             "400 naming them; what 0.6.3's validators crash on (`TypeError`, `KeyError`, "
             "`RecursionError`) a 400 naming the exception; every other unknown field stays "
-            "refused by name. Revert puts the original class back in the module (a server app "
-            "built meanwhile keeps the subclass)",
+            "refused by name. The subclass replaces the class wherever vLLM bound it (other "
+            "modules' names, the API server's endpoint annotations, `BatchRequestInput.body` "
+            "of `run_batch`; `status()` counts the routes of an app built before activation, "
+            "which it cannot reach); revert puts every original back",
         vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being byte-identical; "
              "proven with the `openai` client against 0.6.3's own server app on both); not "
              "applied from 0.6.4 (`max_completion_tokens` is a field there)",
@@ -179,11 +187,12 @@ ROWS: Tuple[Patch, ...] = (
         when="vllm_bi100_patch.patches.chat_compat:compat_needed",
         counters=("error_message_cause",),
         why="the front end answers `str(exception)` as a 400's message: an exception without "
-            "one (a remote image that timed out: `TimeoutError()`) gives a 400 with an empty "
-            "message",
-        how="an empty message is replaced by the exception being handled, named by its type "
-            "(`TimeoutError (raised without a message, ...)`), or one that says the server log "
-            "has it; other messages unchanged",
+            "one (a remote image that timed out: `TimeoutError()`; a chat template's "
+            "`raise_exception('')`) gives a 400 with an empty message",
+        how="an empty message is replaced by the exception being handled, named by its type, "
+            "with what is known of it by its own kind (its chained cause's message, a chat "
+            "template's failure, a time-out) or only that the server log has the traceback; "
+            "other messages unchanged",
         vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3); not applied where "
              "the chat row is not",
         upstream="none (later releases still answer `str(e)`)",

@@ -13,7 +13,8 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _bootstrap, advice, config, decision, hardware, invariance, status, versions
+from . import (_bootstrap, advice, config, decision, doctor_serving, hardware, invariance,
+               status, versions)
 from ._version import __version__
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
@@ -36,10 +37,8 @@ class Section:
 
 STATUS_KEYS = ["shim_version", "mode", "mode_raw", "disabled", "vllm_version", "family",
                "supported", "serving_path", "active", "decision", "activated_by", "patched",
-               "import_guard", "native_ops", "counts", "metrics", "slicing_invariant",
-               "config_errors", "last_error", "config_live"]
-
-
+               "import_guard", "guided_imports", "class_bindings", "native_ops", "counts",
+               "metrics", "slicing_invariant", "config_errors", "last_error", "config_live"]
 PROCESS_KEYS = ["active", "decision", "activated_by", "patched", "import_guard", "counts",
                 "slicing_invariant", "last_error"]
 
@@ -331,6 +330,8 @@ def _patch_sections(settings: config.Settings, family: versions.Family
         sections.append(_native_section(settings))
     from . import ops_audit, registry
 
+    if doctor_serving.applies(versions.installed_vllm_version()):  # vLLM 0.5.x - 0.6.4
+        sections.append(Section("guided decoding", doctor_serving.guided_checks(settings)))
     sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
                             ops_audit.doctor_checks(registry.last_report().applied)))
     return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,

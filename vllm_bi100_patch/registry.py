@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import config, decision, metrics, versions
+from . import config, decision, metrics, rebind, versions
 from .rows import SPECS as SPECS  # re-exported: registry.SPECS, registry.specs_for, ...
 from .rows import PatchSpec as PatchSpec
 from .rows import check_descriptor as check_descriptor
@@ -270,11 +270,13 @@ def _replace_class(module: types.ModuleType, family: versions.Family, spec: Patc
     new = spec.factory()(family, current, module, settings)
     setattr(module, spec.owner, new)
     _classes[key] = (module, current, new)  # type: ignore[assignment]
+    rebind.rebind(module, spec.owner, current, new)  # wherever vLLM bound it already
     return True
 
 
 def _restore_class(key: Tuple[str, str]) -> bool:
     module, original, new = _classes.pop(key)
+    rebind.restore(key[1])  # what the shim re-pointed elsewhere comes back in any case
     if vars(module).get(key[1]) is not new:
         log.warning("vllm-bi100-patch: %s.%s was replaced by someone else after the shim "
                     "replaced it; left as it is", key[0], key[1])

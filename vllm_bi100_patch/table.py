@@ -1,6 +1,7 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here (the serving rows: in ``_rows_serving``; ``Patch`` itself and
+Adding a patch is one row here (the serving rows: in ``_rows_serving`` and
+``_rows_serving_engine``; ``Patch`` itself and
 the module names: ``_patch_row``) plus its module in ``patches/`` (its factory, of the type
 ``patches._common.Factory``, and for a conditional patch its ``when`` check) and its test.
 Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
@@ -46,6 +47,7 @@ from ._patch_row import (  # re-exported: table.Patch, table.WRAP_METHOD, ...
     WRAP_INSTANCE as WRAP_INSTANCE, WRAP_METHOD as WRAP_METHOD, XFORMERS as XFORMERS,
     Patch as Patch)
 from ._rows_serving import ROWS as _SERVING_ROWS
+from ._rows_serving_engine import ROWS as _ENGINE_ROWS
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
 if TYPE_CHECKING:
@@ -272,6 +274,7 @@ PATCHES: Tuple[Patch, ...] = (
         removal="when the oldest vLLM the shim supports is 0.6.5, or Iluvatar's build carries "
                 "the fix (the row then reports itself not needed)"),
     *_SERVING_ROWS,
+    *_ENGINE_ROWS,
 )
 
 

@@ -64,11 +64,15 @@ def test_auto_mode_activates_and_reports_the_vendor_version(facts):
     assert st["mode"] == "auto" and st["active"] is True, st
     assert st["vllm_version"] == "0.6.3+corex.3.2.3" and st["family"] == "v0.5.5"
     assert set(st["activated_by"]) >= {"sitecustomize"}
-    # vllm.sequence: row stream_delta; vllm.core.scheduler and vllm.engine.llm_engine (imported
-    # with the engine): unschedulable_group, seq_limit_engine
-    assert sorted(st["patched"]) == ["_schedule_prefills", "add_request", "forward_decode",
-                                    "forward_prefix", "get_output_token_ids_to_return",
-                                    "swap_blocks", "write_to_paged_cache"]
+    # vllm.sequence: row stream_delta; vllm.core.scheduler, vllm.engine.llm_engine,
+    # vllm.engine.async_llm_engine and vllm.entrypoints.llm (imported with the engine):
+    # unschedulable_group, seq_limit_engine, guided_decoding_errors, async_add_request,
+    # llm_batch_refusal
+    assert sorted(st["patched"]) == ["_build_logits_processors", "_schedule_prefills",
+                                    "_validate_and_add_requests", "add_request",
+                                    "add_request_async", "forward_decode", "forward_prefix",
+                                    "get_output_token_ids_to_return", "swap_blocks",
+                                    "write_to_paged_cache"]
     assert "vllm-bi100-patch active: vLLM 0.6.3+corex.3.2.3" in log
 
 

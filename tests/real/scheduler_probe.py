@@ -10,7 +10,7 @@ the sequences' final status.  Then ``LLMEngine.add_request`` with the same param
 engine object that has only its ``scheduler_config`` (what the shim's check reads): refused
 before anything is queued with the shim, and with the row off it goes on into vLLM's own
 method (which then fails on the attributes this stand-in lacks).  And the multiprocessing front
-end's engine client: the limit its ``__init__`` is given is what the shim's check reads.
+end's engine client: the limit its ``__init__`` is given is what its ``generate`` refuses by.
 """
 
 from __future__ import annotations
@@ -104,22 +104,32 @@ def add_request(name, max_num_seqs, n, best_of):
 
 
 def client_limit(max_num_seqs):
-    """The multiprocessing front end's engine client built from an engine configuration (only
-    its scheduler configuration is real: vLLM's ``__init__`` then fails on the rest, after the
-    shim read the limit)."""
+    """The multiprocessing front end's engine client (vLLM's ``MQLLMEngineClient``, built from
+    an engine configuration as ``vllm serve`` builds it, no engine behind it): the limit it
+    read, and what its ``generate`` does with n over it."""
+    import asyncio
     import types
 
-    from vllm.config import SchedulerConfig
+    import engine_harness
+    from vllm import SamplingParams
     from vllm.engine.multiprocessing.client import MQLLMEngineClient
 
-    config = types.SimpleNamespace(scheduler_config=SchedulerConfig(512, max_num_seqs, 512),
-                                   model_config=None, decoding_config=None)
-    client = object.__new__(MQLLMEngineClient)
-    error = error_of(lambda: client.__init__("ipc:///tmp/bi100-no-engine", config))
-    from vllm_bi100_patch.patches import seq_limit
+    model, _, parallel, scheduler, *_ = engine_harness.configs(max_num_seqs)
+    config = types.SimpleNamespace(model_config=model, scheduler_config=scheduler,
+                                   parallel_config=parallel, lora_config=None,
+                                   decoding_config=engine_harness.configs()[8])
 
-    report(scenario="client_limit", recorded=seq_limit.LIMIT.get("max_num_seqs"), error=error)
-    seq_limit.LIMIT.clear()
+    async def run():
+        client = MQLLMEngineClient("ipc:///tmp/bi100-no-engine", config)
+        try:
+            return (vars(client).get("_vllm_bi100_max_num_seqs"),
+                    error_of(lambda: client.generate("hi", SamplingParams(n=max_num_seqs + 1),
+                                                     "r1")))
+        finally:
+            client.close()
+
+    recorded, error = asyncio.run(run())
+    report(scenario="client_limit", recorded=recorded, error=error)
 
 
 def main():

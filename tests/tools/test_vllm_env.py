@@ -191,6 +191,39 @@ def test_pyairports_stub_wheel_is_valid_and_importable(tmp_path):
     assert out.stdout.split() == ["1", "12", stubs.PYAIRPORTS_STUB_VERSION]
 
 
+def test_pyairports_impostor_wheel_has_the_uploads_shape_and_no_airports(tmp_path):
+    """vLLM 0.6.0-0.6.4 venvs get what a server installing vLLM 0.6.3 today gets: a
+    ``pyairports`` distribution without ``pyairports.airports`` (PyPI's 0.0.1 upload installs
+    only top-level ``sample``/``tests`` packages); the other releases keep the stub."""
+    wheel = stubs.build_pyairports_impostor(tmp_path)
+    dist_info = f"pyairports-{stubs.PYAIRPORTS_IMPOSTOR_VERSION}.dist-info"
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        listed = {row[0] for row in csv.reader(io.StringIO(
+            zf.read(f"{dist_info}/RECORD").decode()))}
+        top = zf.read(f"{dist_info}/top_level.txt").decode().split()
+    assert listed == names and top == ["sample"]
+    assert not [n for n in names if n.startswith("pyairports/")]
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", "--target", str(target), wheel],
+                   check=True, capture_output=True, timeout=300)
+    code = ("import importlib.metadata as m; print(m.version('pyairports'))\n"
+            "try:\n    import pyairports.airports\nexcept ModuleNotFoundError as e:\n"
+            "    print(e.name)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(target)}, timeout=60)
+    assert out.stdout.split() == [stubs.PYAIRPORTS_IMPOSTOR_VERSION, "pyairports"], out
+    for version, built in (("0.5.4", stubs.PYAIRPORTS_STUB_VERSION),
+                           ("0.6.3.post1", stubs.PYAIRPORTS_IMPOSTOR_VERSION),
+                           ("0.6.4.post1", stubs.PYAIRPORTS_IMPOSTOR_VERSION),
+                           ("0.6.6.post1", stubs.PYAIRPORTS_STUB_VERSION),
+                           ("0.8.5", stubs.PYAIRPORTS_STUB_VERSION)):
+        d = tmp_path / version
+        d.mkdir()
+        assert installer.pyairports_wheel(version, d).endswith(f"-{built}-py3-none-any.whl")
+
+
 def test_record_hash_matches_pep_427_form():
     # sha256 of b"" in urlsafe base64 without padding.
     assert stubs.record_hash(b"") == "sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"

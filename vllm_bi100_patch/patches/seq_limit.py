@@ -1,27 +1,28 @@
 """A request that asks for more parallel sequences than ``max_num_seqs`` never stops the server.
 
-Catalogue entries: rows ``unschedulable_group``, ``seq_limit_engine``, ``seq_limit_client`` and
-``seq_limit_openai`` of ``vllm_bi100_patch.table`` (docs/serving-compat.md).
+Catalogue entries: rows ``unschedulable_group``, ``seq_limit_engine`` (here),
+``async_add_request`` (``patches/async_engine.py``), ``seq_limit_client`` and
+``seq_limit_openai`` (``patches/seq_limit_front.py``) of ``vllm_bi100_patch.table``
+(docs/serving-compat.md).
 
 In vLLM 0.6.3 a request with ``n`` (or ``best_of``, which sets ``n``) parallel sequences is one
 ``SequenceGroup``; at the prompt stage ``get_max_num_running_seqs()`` is ``n``.  The V0
-scheduler's ``_schedule_prefills`` ``break``s on the head of the waiting queue when it does not
-fit the budget, and nothing compares ``n`` with ``max_num_seqs``: a group with ``n >
-max_num_seqs`` never fits, so it and every request behind it wait forever.  The loop's other
-``break``s pass: allocation ``LATER`` (``NEVER`` is ignored already), an exhausted token budget
-or ``num_new_tokens == 0`` (both free up as running requests finish; a prompt over the token
+scheduler's ``_schedule_prefills`` ``break``s on the first waiting group that does not fit the
+budget, and nothing compares ``n`` with ``max_num_seqs``: a group with ``n > max_num_seqs``
+never fits, so it and every request behind it wait forever.  The loop's other ``break``s pass:
+allocation ``LATER`` (``NEVER`` is ignored already), an exhausted token budget or
+``num_new_tokens == 0`` (both free up as running requests finish; a prompt over the token
 limit is ignored already) and the prefill delay.  vLLM 0.6.4 runs parallel sampling as groups
 of one (``ParallelSampleSequenceGroup``, pull request #9302); where a build has it the rows
 report themselves not needed.
 
-- ``unschedulable_group``: such a head leaves the waiting queue as ignored, as vLLM does for a
-  prompt over the limit (one WARNING naming it), and the requests behind it are scheduled.
+- ``unschedulable_group``: every such group leaves the waiting queue as ignored, wherever it
+  waits (a head waiting for a LoRA slot is skipped by the loop, so a group behind it would
+  block the queue too), as vLLM does for a prompt over the limit (one WARNING naming it), and
+  the requests behind it are scheduled.
 - ``seq_limit_engine``: ``LLMEngine.add_request`` refuses it before it is queued
-  (``ValueError``, which vLLM's front end answers with a 400).
-- ``seq_limit_client`` / ``seq_limit_openai``: the OpenAI server refuses it with a 400 naming n
-  and max_num_seqs before anything is queued (a stream would otherwise be answered 200); the
-  limit is the in-process engine's, or the one recorded when the front end built its
-  multiprocessing engine client.
+  (``ValueError``, which vLLM's front end answers with a 400); ``refusal`` is the check, also
+  for ``_AsyncLLMEngine.add_request_async`` (its own copy of ``add_request``).
 
 Never imports vLLM.
 """
@@ -40,17 +41,11 @@ from ._common import Wrapper, counter
 
 IGNORED = counter("unschedulable_group")
 REFUSED_ENGINE = counter("seq_limit_engine")
-REFUSED_OPENAI = counter("seq_limit_openai")
 PR = "vLLM pull request #9302"
-
-#: The front end's ``max_num_seqs``, recorded by ``seq_limit_client`` (one engine per process).
-LIMIT: Dict[str, int] = {}
 
 SCHEDULER_PARAMS = ("self", "budget", "curr_loras", "enable_chunking")
 ADD_REQUEST_PARAMS = ("self", "request_id", "prompt", "params", "arrival_time", "lora_request",
                       "trace_headers", "prompt_adapter_request", "priority", "inputs")
-CLIENT_PARAMS = ("self", "ipc_path", "engine_config")
-CHECK_MODEL_PARAMS = ("self", "request")
 
 #: Code shapes (``block_tables.fingerprint``) each row was checked against.
 SCHEDULER_KNOWN: Dict[str, str] = {
@@ -58,12 +53,6 @@ SCHEDULER_KNOWN: Dict[str, str] = {
 }
 ADD_REQUEST_KNOWN: Dict[str, str] = {
     "26163a797f4556a4": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
-}
-CLIENT_KNOWN: Dict[str, str] = {
-    "46c0e0f0c23a0d23": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
-}
-CHECK_MODEL_KNOWN: Dict[str, str] = {
-    "bd70fdf659738667": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
 }
 
 
@@ -98,16 +87,6 @@ def check_add_request(func: Callable[..., Any]) -> Optional[str]:
                                    ADD_REQUEST_KNOWN)
 
 
-def check_client(func: Callable[..., Any]) -> Optional[str]:
-    return code_shapes.shape_check(func, "MQLLMEngineClient.__init__", CLIENT_PARAMS,
-                                   CLIENT_KNOWN)
-
-
-def check_check_model(func: Callable[..., Any]) -> Optional[str]:
-    return code_shapes.shape_check(func, "OpenAIServing._check_model", CHECK_MODEL_PARAMS,
-                                   CHECK_MODEL_KNOWN)
-
-
 def too_many(n: Any, best_of: Any, limit: Optional[int], use_beam_search: bool = False
              ) -> Optional[str]:
     """Why a request with ``n``/``best_of`` can never run under ``max_num_seqs = limit``, or
@@ -131,87 +110,62 @@ def make_scheduler_wrapper(family: Family, original: Callable[..., Any],
                            kwargs: Dict[str, Any]) -> Any:
         waiting = instance.waiting
         limit = instance.scheduler_config.max_num_seqs
-        ignored = []
-        while waiting and waiting[0].get_max_num_running_seqs() > limit:
-            group = waiting.popleft()
+        # the whole queue, not only its head: the loop skips a head waiting for a LoRA slot
+        # and would then break on an unschedulable group behind it (issue 35, defect 7)
+        oversize = [g for g in waiting if g.get_max_num_running_seqs() > limit]
+        for group in oversize:
+            waiting.remove(group)
             wanted = group.get_max_num_running_seqs()
             for seq in group.get_seqs(status=status.WAITING):
                 seq.status = status.FINISHED_IGNORED
-            ignored.append(group)
             IGNORED.add()
             log.warning("vllm-bi100-patch: request %s asks for %d parallel sequences (n or "
                         "best_of) and exceeds max_num_seqs=%d: ignored, it could never be "
                         "scheduled (row unschedulable_group)", group.request_id, wanted, limit)
         result = wrapped(*args, **kwargs)
-        if ignored:
-            result.ignored_seq_groups[:0] = ignored
+        if oversize:
+            result.ignored_seq_groups[:0] = oversize
         return result
 
     return _schedule_prefills
+
+
+def refusal(instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], row: str
+            ) -> Optional[ValueError]:
+    """The ``ValueError`` an ``add_request`` call (``self`` bound; ``request_id, prompt,
+    params, ...``) gets when its ``n``/``best_of`` exceeds the engine's ``max_num_seqs``, or
+    None; counted for ``row``."""
+    params = args[2] if len(args) > 2 else kwargs.get("params")
+    n = getattr(params, "n", None)  # SamplingParams (best_of has set n); pooling: none
+    if not isinstance(n, int):
+        return None
+    real_n = getattr(params, "_real_n", None)
+    best_of = getattr(params, "best_of", None)
+    problem = too_many(real_n if isinstance(real_n, int) else n,
+                       best_of if best_of and best_of != real_n else None,
+                       instance.scheduler_config.max_num_seqs)
+    if problem is None:
+        return None
+    request_id = args[0] if args else kwargs.get("request_id")
+    exc = ValueError(f"request {request_id}: {problem}")
+    metrics.TALLY.refused(row, exc)
+    return exc
 
 
 def make_add_request_wrapper(family: Family, original: Callable[..., Any],
                              module: types.ModuleType, settings: config.Settings) -> Wrapper:
     def add_request(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> Any:
-        params = args[2] if len(args) > 2 else kwargs.get("params")
-        n = getattr(params, "n", None)  # SamplingParams (best_of has set n); pooling: none
-        if isinstance(n, int):
-            real_n = getattr(params, "_real_n", None)
-            best_of = getattr(params, "best_of", None)
-            problem = too_many(real_n if isinstance(real_n, int) else n,
-                               best_of if best_of and best_of != real_n else None,
-                               instance.scheduler_config.max_num_seqs)
-            if problem is not None:
-                REFUSED_ENGINE.add()
-                request_id = args[0] if args else kwargs.get("request_id")
-                exc = ValueError(f"request {request_id}: {problem}")
-                metrics.TALLY.refused("seq_limit_engine", exc)
-                raise exc
+        exc = refusal(instance, args, kwargs, "seq_limit_engine")
+        if exc is not None:
+            REFUSED_ENGINE.add()
+            raise exc
         return wrapped(*args, **kwargs)
 
     # vLLM's own refusals (LoRA, priority) are not this row's: it counts only its own
     return metrics.counts_own_refusals(add_request)
 
 
-def make_client_wrapper(family: Family, original: Callable[..., Any], module: types.ModuleType,
-                        settings: config.Settings) -> Wrapper:
-    def __init__(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
-        engine_config = args[1] if len(args) > 1 else kwargs.get("engine_config")
-        limit = getattr(getattr(engine_config, "scheduler_config", None), "max_num_seqs", None)
-        if isinstance(limit, int):
-            LIMIT["max_num_seqs"] = limit
-        return wrapped(*args, **kwargs)
-
-    return __init__
-
-
-def limit_of(engine_client: Any) -> Optional[int]:
-    """The ``max_num_seqs`` behind a front end's engine client: the in-process engine's
-    (``AsyncLLMEngine.engine``), else the one ``seq_limit_client`` recorded."""
-    scheduler_config = getattr(getattr(engine_client, "engine", None), "scheduler_config", None)
-    limit = getattr(scheduler_config, "max_num_seqs", None)
-    return limit if isinstance(limit, int) else LIMIT.get("max_num_seqs")
-
-
-def make_check_model_wrapper(family: Family, original: Callable[..., Any],
-                             module: types.ModuleType, settings: config.Settings) -> Wrapper:
-    def _check_model(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
-                     kwargs: Dict[str, Any]) -> Any:
-        async def checked() -> Any:
-            result = await wrapped(*args, **kwargs)
-            if result is not None:
-                return result
-            request = args[0] if args else kwargs.get("request")
-            problem = too_many(getattr(request, "n", None), getattr(request, "best_of", None),
-                               limit_of(instance.engine_client),
-                               bool(getattr(request, "use_beam_search", False)))
-            if problem is None:
-                return None
-            REFUSED_OPENAI.add()
-            return instance.create_error_response(problem)
-
-        return checked()
-
-    return _check_model
+def on_063(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
+    """The ``when`` check of a serving row checked against vLLM 0.6.3's code only."""
+    return only_063()

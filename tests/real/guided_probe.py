@@ -1,0 +1,149 @@
+"""vLLM 0.6.3's own guided decoding (its ``guided_decoding`` package and outlines, as its
+engine builds it) without a model, one report line per case (``helpers.probes.report``).
+
+``python guided_probe.py enforce``: for a ``json_schema`` response format, a named (forced)
+tool and ``tool_choice: "required"``, the guide 0.6.3's request path gives (the chat request
+class's ``to_sampling_params``, the shim's mappings included; for ``required`` the schema the
+front end serves it with: an array of at least one ``{"name": <tool>, "parameters": <its
+parameters>}``), its logits processor built by vLLM's
+``get_local_guided_decoding_logits_processor`` over serving_app.py's byte-level tokenizer,
+then ``RUNS`` decodes that sample from seeded random logits through the processor until the
+end-of-sequence token: the texts, and whether each parses as JSON valid under the schema.
+
+``python guided_probe.py guides``: what each kind of guide compiles to, as digests of the
+finite-state machines (outlines' ``RegexGuide``: for every state, the allowed tokens and the
+next states) of a JSON schema, a regex and a choice, and the size of outlines' airport-code
+enum: run once with the shim's empty ``AIRPORT_LIST`` and once with a real-shaped
+``pyairports.airports`` on the path, the test compares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
+sys.path.insert(0, HERE)
+
+import engine_harness  # noqa: E402
+from helpers.probes import report  # noqa: E402
+
+RUNS = 5
+MAX_STEPS = 3000
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"},
+                                           "score": {"type": "integer"},
+                                           "final": {"type": "boolean"}},
+          "required": ["answer", "score", "final"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+                                            "unit": {"enum": ["c", "f"]},
+                                            "days": {"type": "integer"}},
+           "required": ["city", "unit"]}
+TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+#: ``tool_choice: "required"``: one schema accepting a call of any of the tools.
+REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                      "parameters": t["function"]["parameters"]},
+     "required": ["name", "parameters"]} for t in TOOLS]}}
+REGEX = r"[a-c]{2}\d(x|yz)?"
+CHOICE = ["yes", "no", "maybe"]
+
+
+def _request_guides():
+    """(name, guided-decoding parameters, schema) as 0.6.3's request path makes them."""
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from vllm.sampling_params import GuidedDecodingParams
+
+    user = [{"role": "user", "content": "hi"}]
+    schema_request = ChatCompletionRequest(model="tiny", messages=user, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+    named = ChatCompletionRequest(model="tiny", messages=user, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    return [("json_schema", schema_request.to_sampling_params(64).guided_decoding, ANSWER),
+            ("named_tool", named.to_sampling_params(64).guided_decoding, WEATHER),
+            ("required", GuidedDecodingParams(json=REQUIRED), REQUIRED)]
+
+
+def enforce():
+    import time
+
+    import jsonschema
+    import torch
+
+    from vllm.model_executor.guided_decoding import (
+        get_local_guided_decoding_logits_processor)
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(engine_harness.model_path())
+    vocab = len(tokenizer)
+    for name, guided, schema in _request_guides():
+        if guided is None or guided.json is None:
+            report(case=name, error="no guided json from the request", guided=str(guided))
+            continue
+        guided.backend = guided.backend or "outlines"
+        t0 = time.perf_counter()
+        processor = get_local_guided_decoding_logits_processor(guided, tokenizer)
+        build_s = time.perf_counter() - t0
+        texts, valid, steps = [], [], []
+        for run in range(RUNS):
+            gen = torch.Generator().manual_seed(1000 * run + 7)
+            ids = []
+            for _ in range(MAX_STEPS):
+                scores = torch.randn(vocab, generator=gen)
+                scores = processor(list(ids), scores)
+                token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen))
+                if token == tokenizer.eos_token_id:
+                    break
+                ids.append(token)
+            text = tokenizer.decode(ids)
+            texts.append(text)
+            steps.append(len(ids))
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                valid.append(True)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                valid.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        report(case=name, schema=guided.json, processor=type(processor).__name__,
+               texts=texts, valid=valid, steps=steps, build_s=round(build_s, 1))
+
+
+def _digest(guide):
+    table = {str(k): sorted((str(t), str(s)) for t, s in v.items())
+             for k, v in guide.states_to_token_maps.items()}
+    return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def guides():
+    from outlines.fsm.guide import RegexGuide
+    from outlines.fsm.json_schema import build_regex_from_schema
+    from outlines.types import airports
+
+    from vllm.model_executor.guided_decoding.outlines_decoding import _get_guide_and_mode
+    from vllm.model_executor.guided_decoding.outlines_logits_processors import (
+        _adapt_tokenizer)
+    from vllm.sampling_params import GuidedDecodingParams
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = _adapt_tokenizer(get_tokenizer(engine_harness.model_path()))
+    out = {}
+    for name, params in (("json", GuidedDecodingParams(json=WEATHER)),
+                         ("required", GuidedDecodingParams(json=REQUIRED)),
+                         ("regex", GuidedDecodingParams(regex=REGEX)),
+                         ("choice", GuidedDecodingParams(choice=CHOICE))):
+        guide, mode = _get_guide_and_mode(params)
+        regex = build_regex_from_schema(guide) if mode.name == "JSON" else guide
+        out[name] = {"regex": hashlib.sha256(regex.encode()).hexdigest()[:16],
+                     "fsm": _digest(RegexGuide(regex, tokenizer))}
+    import pyairports.airports as source
+
+    report(case="guides", guides=out, iata=len(list(airports.IATA)),
+           airport_list=len(source.AIRPORT_LIST),
+           substitute=bool(getattr(source, "__vllm_bi100_substitute__", False)))
+
+
+if __name__ == "__main__":
+    {"enforce": enforce, "guides": guides}[sys.argv[1]]()
