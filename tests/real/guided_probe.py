@@ -3,9 +3,9 @@ engine builds it) without a model, one report line per case (``helpers.probes.re
 
 ``python guided_probe.py enforce``: for a ``json_schema`` response format, a named (forced)
 tool and ``tool_choice: "required"``, the guide 0.6.3's request path gives (the chat request
-class's ``to_sampling_params``, the shim's mappings included; for ``required`` the schema the
-front end serves it with: an array of at least one ``{"name": <tool>, "parameters": <its
-parameters>}``), its logits processor built by vLLM's
+class's ``to_sampling_params``, the shim's mappings included: for ``required`` the schema the
+shim's chat row serves it with, an array of at least one ``{"name": <tool>, "parameters": <its
+parameters>}``, each call's parameters then also checked against its own tool's), its logits processor built by vLLM's
 ``get_local_guided_decoding_logits_processor`` over serving_app.py's byte-level tokenizer,
 then ``RUNS`` decodes that sample from seeded random logits through the processor until the
 end-of-sequence token: the texts, and whether each parses as JSON valid under the schema.
@@ -44,28 +44,48 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
 TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-#: ``tool_choice: "required"``: one schema accepting a call of any of the tools.
-REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [
-    {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                      "parameters": t["function"]["parameters"]},
-     "required": ["name", "parameters"]} for t in TOOLS]}}
 REGEX = r"[a-c]{2}\d(x|yz)?"
 CHOICE = ["yes", "no", "maybe"]
 
 
-def _request_guides():
-    """(name, guided-decoding parameters, schema) as 0.6.3's request path makes them."""
-    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from vllm.sampling_params import GuidedDecodingParams
+USER = [{"role": "user", "content": "hi"}]
 
-    user = [{"role": "user", "content": "hi"}]
-    schema_request = ChatCompletionRequest(model="tiny", messages=user, response_format={
+
+def _required():
+    """``tool_choice: "required"`` as the front end serves it: the guided-decoding parameters
+    the chat request class (the shim's, in these probes) gives, one schema accepting a call of
+    any of the tools."""
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="tiny", messages=USER, tools=TOOLS,
+                                    tool_choice="required")
+    return request.to_sampling_params(64).guided_decoding
+
+
+def _calls_match_their_tools(value):
+    """Each call of a ``required`` answer: its parameters valid under its own tool's."""
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in value:
+        jsonschema.validate(call["parameters"], params[call["name"]])
+
+
+def _request_guides():
+    """(name, guided-decoding parameters, schema, extra check) as 0.6.3's request path makes
+    them."""
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    schema_request = ChatCompletionRequest(model="tiny", messages=USER, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
-    named = ChatCompletionRequest(model="tiny", messages=user, tools=TOOLS, tool_choice={
+    named = ChatCompletionRequest(model="tiny", messages=USER, tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "get_weather"}})
-    return [("json_schema", schema_request.to_sampling_params(64).guided_decoding, ANSWER),
-            ("named_tool", named.to_sampling_params(64).guided_decoding, WEATHER),
-            ("required", GuidedDecodingParams(json=REQUIRED), REQUIRED)]
+    required = _required()
+    return [("json_schema", schema_request.to_sampling_params(64).guided_decoding, ANSWER,
+             None),
+            ("named_tool", named.to_sampling_params(64).guided_decoding, WEATHER, None),
+            ("required", required, required.json if required else None,
+             _calls_match_their_tools)]
 
 
 def enforce():
@@ -80,7 +100,7 @@ def enforce():
 
     tokenizer = get_tokenizer(engine_harness.model_path())
     vocab = len(tokenizer)
-    for name, guided, schema in _request_guides():
+    for name, guided, schema, check in _request_guides():
         if guided is None or guided.json is None:
             report(case=name, error="no guided json from the request", guided=str(guided))
             continue
@@ -103,7 +123,10 @@ def enforce():
             texts.append(text)
             steps.append(len(ids))
             try:
-                jsonschema.validate(json.loads(text), schema)
+                value = json.loads(text)
+                jsonschema.validate(value, schema)
+                if check is not None:
+                    check(value)
                 valid.append(True)
             except (ValueError, jsonschema.ValidationError) as exc:
                 valid.append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -131,7 +154,7 @@ def guides():
     tokenizer = _adapt_tokenizer(get_tokenizer(engine_harness.model_path()))
     out = {}
     for name, params in (("json", GuidedDecodingParams(json=WEATHER)),
-                         ("required", GuidedDecodingParams(json=REQUIRED)),
+                         ("required", _required()),
                          ("regex", GuidedDecodingParams(regex=REGEX)),
                          ("choice", GuidedDecodingParams(choice=CHOICE))):
         guide, mode = _get_guide_and_mode(params)

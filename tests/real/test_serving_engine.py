@@ -11,6 +11,7 @@ Every probe runs in its own interpreter, all started at once.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -245,6 +246,9 @@ def test_guided_decoding_enforces_schema_tool_and_required(runs):
         assert got["processor"] == "JSONLogitsProcessor", got
         assert got["valid"] == [True] * 5, got
     assert runs["enforce"]["named_tool"]["schema"]["properties"]["unit"] == {"enum": ["c", "f"]}
+    required = runs["enforce"]["required"]["schema"]  # the shim's chat row made it
+    assert required["type"] == "array" and required["minItems"] == 1, required
+    assert '"get_weather"' in json.dumps(required) and '"get_time"' in json.dumps(required)
 
 
 def test_the_empty_airport_list_changes_no_guide(runs):
