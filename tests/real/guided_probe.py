@@ -5,10 +5,10 @@ engine builds it) without a model, one report line per case (``helpers.probes.re
 tool and ``tool_choice: "required"``, the guide 0.6.3's request path gives (the chat request
 class's ``to_sampling_params``, the shim's mappings included: for ``required`` the schema the
 shim's chat row serves it with, an array of at least one ``{"name": <tool>, "parameters": <its
-parameters>}``, each call's parameters then also checked against its own tool's), its logits processor built by vLLM's
-``get_local_guided_decoding_logits_processor`` over serving_app.py's byte-level tokenizer,
-then ``RUNS`` decodes that sample from seeded random logits through the processor until the
-end-of-sequence token: the texts, and whether each parses as JSON valid under the schema.
+parameters>}``, each call's parameters then also checked against its own tool's), its logits
+processor built by vLLM's ``get_local_guided_decoding_logits_processor`` over serving_app.py's
+byte-level tokenizer, then ``RUNS`` decodes that sample from seeded random logits through the
+processor until the end-of-sequence token: the texts, and whether each parses as JSON valid under the schema.
 
 ``python guided_probe.py guides``: what each kind of guide compiles to, as digests of the
 finite-state machines (outlines' ``RegexGuide``: for every state, the allowed tokens and the
