@@ -55,6 +55,9 @@ def _required():
     """``tool_choice: "required"`` as the front end serves it: the guided-decoding parameters
     the chat request class (the shim's, in these probes) gives, one schema accepting a call of
     any of the tools."""
+    # The server imports serving_chat (where the shim's chat_tool_calls row turns the guided
+    # answer into tool calls); without it the chat row refuses "required".
+    import vllm.entrypoints.openai.serving_chat  # noqa: F401
     from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 
     request = ChatCompletionRequest(model="tiny", messages=USER, tools=TOOLS,
