@@ -28,9 +28,9 @@ def test_every_row_is_well_formed():
                                       "vllm.engine.multiprocessing.client",
                                       "vllm.entrypoints.openai.serving_engine",
                                       "vllm.entrypoints.openai.protocol",
+                                      "vllm.entrypoints.openai.serving_chat",
                                       "vllm.engine.async_llm_engine", "vllm.entrypoints.llm",
-                                      "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser",
-                                      "vllm.entrypoints.openai.serving_chat")
+                                      "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser")
     assert [p.name for p in table.guards()] == ["import_guard", "guided_decoding_imports"]
     for row in table.PATCHES:
         assert callable(table.resolve(row.factory)), row
