@@ -99,3 +99,54 @@ def test_text_between_calls_is_content_only_when_more_than_whitespace():
 def test_a_number_at_the_end_of_a_call_ends_with_it():
     assert _read([f'{START}{{"name": "f", "arguments": 12', f"}}{END}"])[1] == [("f", "12")]
     assert _read([f'{START}{{"arguments": -1.5e3, "name": "g"}}{END}'])[1] == [("g", "-1.5e3")]
+
+
+class _Delta:
+    """A stand-in of 0.6.3's DeltaMessage (the fields it is given)."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+
+class _Parser:
+    """The state 0.6.3's Hermes2ProToolParser keeps for the front end."""
+
+    def __init__(self):
+        self.prev_tool_call_arr, self.streamed_args_for_tool = [], []
+        self.current_tool_id, self.current_tool_name_sent = -1, False
+
+
+def test_the_parsers_state_and_the_finishing_chunk():
+    """``stream`` keeps the parser's state as 0.6.3 does for the front end (a named call in
+    ``prev_tool_call_arr``: finish reason "tool_calls"), each choice under its own token list;
+    the finishing check answers False for its deltas only."""
+    import types
+
+    from vllm_bi100_patch import config
+    from vllm_bi100_patch.patches import hermes_args
+
+    module = types.SimpleNamespace(DeltaMessage=_Delta)
+    parser = _Parser()
+    text = f'Hi{START}{{"name": "f", "arguments": {{"a": [1, 2]}}}}{END}'
+    lists = {0: [], 1: []}
+    out = {0: [], 1: []}
+    for a, b in ((0, 2), (2, 20), (20, 40), (40, len(text))):
+        for choice in (0, 1):  # two choices sharing the parser, as 0.6.3's generator does
+            previous = lists[choice]
+            lists[choice] = previous + [a]
+            out[choice].append(hermes_args.stream(parser, module, text[:a], text[a:b], previous,
+                                                  lists[choice]))
+    assert out[0][0].fields == {"content": "Hi"}
+    calls = [d.fields.get("tool_calls") for d in out[0] if d is not None]
+    assert "".join(c[0]["function"].get("arguments", "") for c in calls if c) == '{"a": [1, 2]}'
+    assert [d.fields if d else None for d in out[1]][0] == {"content": "Hi"}
+    assert [c["name"] for c in parser.prev_tool_call_arr] == ["f", "f"]  # one per choice
+    assert parser.prev_tool_call_arr[0]["arguments"] == {"a": [1, 2]}
+    assert parser.streamed_args_for_tool == ['{"a": [1, 2]}'] * 2
+    settings = config.load({config.MODE: "1"})
+    check = hermes_args.make_finish_wrapper(None, None, module, settings)
+    replaced = lambda delta_message, output: True  # noqa: E731  (0.6.3 would replace)
+    assert check(replaced, None, (out[0][-1], None), {}) is False
+    assert check(replaced, None, (_Delta(content="x"), None), {}) is True
+    off = config.load({config.MODE: "1", config.DISABLE: "hermes_tool_start"})
+    assert "hermes_tool_start is disabled" in hermes_args.args_needed(module, off)
