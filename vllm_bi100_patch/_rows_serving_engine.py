@@ -174,12 +174,13 @@ ROWS: Tuple[Patch, ...] = (
         vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
                                    "--tool-call-parser hermes`), every split of the output "
                                    "into deltas"),
-        upstream="none in 0.6.x, none complete later: vLLM pull requests #10396 (issue "
-                 "#10395: the first arguments and the closing delta found otherwise, still "
-                 "diffing completions), #22002 (non-string values), #36360 (issue #32152: the "
-                 "last brace lost when deltas hold several tokens), #37098 (empty arguments); "
-                 "the finishing branch: #31438 (keeps the call's id and name), #39615 "
-                 "(arguments blanked when a call comes in one delta), #44017 (the flush moved "
-                 "into the parsers); the hermes parser's rewrite: #51937 (open)",
+        upstream="none in 0.6.x, none complete later: the parser kept diffing completions "
+                 "(0.6.5's change for vLLM issue #10395, `hermes_tool_start`'s pull request; "
+                 "merged #22002 for non-string values; issue #32152, the last brace lost when "
+                 "deltas hold several tokens, and issue #28806, empty arguments, open or fixed "
+                 "by closed pull requests #36360, #37098); the finishing branch kept its "
+                 "`replace` (merged #31438 keeps the call's id and name, #44017 moved the flush "
+                 "into the parsers; #39615, arguments blanked when a call comes in one delta, "
+                 "closed); the hermes parser's rewrite: #51937 (open)",
         removal="when the oldest vLLM the shim supports streams hermes arguments as written"),
 )
