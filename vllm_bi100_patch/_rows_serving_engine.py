@@ -111,8 +111,10 @@ ROWS: Tuple[Patch, ...] = (
             "call, parses nothing, and reads the name of None",
         how="for exactly that delta, the parser's own state updates of the branch (the new "
             "tool's index, its name not sent, an empty arguments slot) and None, as vLLM "
-            "0.6.5 returns; every other delta goes to the original; only where the method "
-            "has the code shape it was checked against",
+            "0.6.5 returns; every other delta goes to the original (while row "
+            "`hermes_tool_args` is installed, every delta is answered by its streaming "
+            "instead); only where the method has the code shape it was checked against "
+            "(0.6.3.post1's, and the vendored CoreX tree's, which logs with `logger.error`)",
         vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
                                    "--tool-call-parser hermes`)"),
         upstream="vLLM pull request #10398 (\"Fix hermes tool parser output error stream "
@@ -143,4 +145,42 @@ ROWS: Tuple[Patch, ...] = (
                  "`vllm/entrypoints/openai/serving_chat.py`, e.g. at commit 003fe59); not in "
                  "0.6.x (0.6.6.post1 still `continue`s)",
         removal="when the oldest vLLM the shim supports sends the finish chunk itself"),
+    Patch(
+        "hermes_tool_args", WRAP_INSTANCE,
+        SERVING_CHAT + ":OpenAIServingChat._should_check_for_unstreamed_tool_arg_tokens",
+        "vllm_bi100_patch.patches.hermes_args:make_finish_wrapper",
+        params="code:vllm_bi100_patch.patches.hermes_args:check",
+        when="vllm_bi100_patch.patches.hermes_args:args_needed",
+        counters=("hermes_tool_args", "hermes_finish_kept"),
+        why="with `--tool-call-parser hermes`, the concatenated `function.arguments` deltas of "
+            "a streamed tool call are not the JSON the model wrote (LangChain "
+            "`bind_tools(...).stream`, openai-agents `Runner.run_streamed`: "
+            "`'{\"city\": \"city'`), or are empty when the call's JSON comes in one delta "
+            "(an `IndexError` logged), whatever the delta size: 0.6.3's parser streams "
+            "differences of `json.dumps` of `partial_json_parser`'s completions of the text "
+            "(an unfinished string is closed), and the front end replaces the finishing "
+            "chunk's delta by `json.dumps(the parsed arguments).replace(what was streamed, "
+            "\"\", 1)`: the last `}` or the whole arguments lost or doubled, the name and "
+            "content of that delta dropped",
+        how="the hermes parser's wrapper (`hermes_tool_start`'s) streams every delta itself "
+            "while this row is installed: each choice's text read once as it grows, the "
+            "text before the calls as content, each call's name once (with its id, in the "
+            "first delta of its index), its arguments' raw text as the model writes it, "
+            "never a character past the value (the concatenation is the model's JSON text, "
+            "which parses to what the unstreamed answer parses to), the parser's state kept "
+            "for the front end as 0.6.3 keeps it (`finish_reason: \"tool_calls\"`); this "
+            "method answers False for those deltas, so the finishing chunk keeps its delta; "
+            "only where the method has the code shape it was checked against",
+        vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
+                                   "--tool-call-parser hermes`), every split of the output "
+                                   "into deltas"),
+        upstream="none in 0.6.x, none complete later: the parser kept diffing completions "
+                 "(0.6.5's change for vLLM issue #10395, `hermes_tool_start`'s pull request; "
+                 "merged #22002 for non-string values; issue #32152, the last brace lost when "
+                 "deltas hold several tokens, and issue #28806, empty arguments, open or fixed "
+                 "by closed pull requests #36360, #37098); the finishing branch kept its "
+                 "`replace` (merged #31438 keeps the call's id and name, #44017 moved the flush "
+                 "into the parsers; #39615, arguments blanked when a call comes in one delta, "
+                 "closed); the hermes parser's rewrite: #51937 (open)",
+        removal="when the oldest vLLM the shim supports streams hermes arguments as written"),
 )

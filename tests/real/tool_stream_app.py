@@ -15,6 +15,14 @@ the turn (an empty delta with the end-of-sequence token), or cut short by ``max_
 (``--disable-frontend-multiprocessing``): vLLM's ``AsyncLLMEngine`` (engine_harness.py), a
 guide that cannot be built, a plain and a guided request after it, n over max_num_seqs.
 
+``python tool_stream_app.py serve``: the app (default front end) served until stdin closes, its
+port in one report line.  ``POST /standin/split`` with ``{"pieces": [...], "finish": ...}``
+answers a key; a user message ``split:<key>`` is then answered with exactly those deltas (each
+piece tokenized on its own: the special ``<tool_call>``/``</tool_call>`` tokens stay single
+tokens; an empty piece is the end-of-sequence token alone), the last with that finish reason.
+``GET /standin/errors`` lists every ERROR record the server logged (test_hermes_stream.py
+splits model outputs every way and reads the streams back).
+
 ``python tool_stream_app.py late``: the shim is taken off at start (``revert()``) and applied
 (``vllm_bi100_patch.apply()``) only after vLLM's ``api_server`` was imported and a first app
 built, as an activation through vLLM's plugin entry point does in a ``vllm serve`` front end; a
@@ -55,11 +63,29 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                                              "city": {"type": "string"}}}}}
 
 
+SPLIT = "<|user|>split:"
+#: key -> {"pieces": [...], "finish": ...} (``POST /standin/split``)
+SPLITS: dict = {}
+
+
 def script_of(prompt_text):
+    if SPLIT in prompt_text:
+        return "split"
     for name in SCRIPTS:
         if f"<|user|>{name}" in prompt_text:
             return name
     return "text"
+
+
+def script(prompt_text):
+    """(name, the deltas' texts, the finish reason of the last) the prompt asks for."""
+    name = script_of(prompt_text)
+    if name != "split":
+        return (name, *SCRIPTS[name])
+    key = prompt_text[prompt_text.index(SPLIT) + len(SPLIT):]
+    key = key[:len(key) - len(key.lstrip("0123456789"))]
+    data = SPLITS[key]
+    return name, data["pieces"], data["finish"]
 
 
 def client_class():
@@ -76,8 +102,7 @@ def client_class():
                                    priority=0):
             tokenizer = self.tokenizer.tokenizer
             ids = list(prompt["prompt_token_ids"])
-            name = script_of(tokenizer.decode(ids))
-            texts, reason = SCRIPTS[name]
+            name, texts, reason = script(tokenizer.decode(ids))
             self.seen.append({"script": name, "n": params.n})
             eos = tokenizer.eos_token_id
             done_text, done_ids = "", []
@@ -101,10 +126,11 @@ def client_class():
     return StandInClient
 
 
-def build(args_list, late=False, in_process=False):
+def build(args_list, late=False, in_process=False, routes=()):
     """The app, its client and its event loop, serving on 127.0.0.1 in a thread; with
     ``in_process``, the engine client is vLLM's ``AsyncLLMEngine`` (engine_harness.py: a
-    stand-in executor), as ``--disable-frontend-multiprocessing`` serves."""
+    stand-in executor), as ``--disable-frontend-multiprocessing`` serves; ``routes``: (path,
+    methods, endpoint) added to every app."""
     import uvicorn
 
     from vllm.entrypoints.openai import api_server
@@ -135,6 +161,8 @@ def build(args_list, late=False, in_process=False):
             apps.append(api_server.build_app(args))
         for app in apps:
             api_server.init_app_state(out["client"], model, app.state, args)
+            for path, methods, endpoint in routes:
+                app.add_api_route(path, endpoint, methods=methods)
         out["servers"] = [uvicorn.Server(uvicorn.Config(app, log_level="warning"))
                           for app in apps]
         socks = [sock] + [socket.socket() for _ in apps[1:]]
@@ -267,7 +295,53 @@ def late_cases(out):
         class_bindings=vllm_bi100_patch.status().get("class_bindings"))
 
 
+def serve():
+    """Serve until stdin closes: one report line with the port; ``GET /standin/errors``: the
+    ERROR records logged so far (vLLM's logger does not propagate: it is hooked itself)."""
+    import logging
+
+    errors = []
+
+    class Errors(logging.Handler):
+        def emit(self, record):
+            exc = record.exc_info[1] if record.exc_info else None
+            errors.append({"logger": record.name, "message": record.getMessage()[:500],
+                           "exception": None if exc is None else
+                           f"{type(exc).__name__}: {str(exc)[:300]}"})
+
+    async def standin_errors():
+        return errors
+
+    async def standin_split(body: dict):
+        key = str(len(SPLITS))
+        SPLITS[key] = {"pieces": [str(p) for p in body["pieces"]], "finish": body["finish"]}
+        return {"key": key}
+
+    out, thread = build(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--max-num-seqs", "4"],
+                        routes=[("/standin/errors", ["GET"], standin_errors),
+                                ("/standin/split", ["POST"], standin_split)])
+    handler = Errors(logging.ERROR)  # after vLLM configured its loggers (at its import)
+    for name in ("", "vllm", "uvicorn", "uvicorn.error", "fastapi"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        import vllm_bi100_patch
+
+        applied = (vllm_bi100_patch.status()["report"] or {}).get("applied")
+    except ImportError:
+        applied = None
+    report(port=out["ports"][0], applied=applied)
+    try:
+        sys.stdin.read()
+    finally:
+        for server in out["servers"]:
+            server.should_exit = True
+        thread.join(timeout=30)
+
+
 def main(mode):
+    if mode == "serve":
+        return serve()
     late = mode == "late"
     if late:  # as where the shim activates only later (vLLM's plugin entry point)
         import vllm_bi100_patch

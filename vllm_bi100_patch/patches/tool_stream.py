@@ -9,7 +9,10 @@ Catalogue entries: rows ``hermes_tool_start`` and ``stream_finish_reason`` of
   ``.get("name")`` on None: ``AttributeError``, caught by its own ``except`` and logged with a
   traceback for every such call; it returns None.  The wrapper does exactly the state updates
   of that branch and returns None, as vLLM 0.6.5 does (``if current_tool_call is None: return
-  None``, pull request #10398); every other delta goes to the original.
+  None``, pull request #10398); every other delta goes to the original.  While row
+  ``hermes_tool_args`` is installed (``hermes_args.live()``), every delta is answered by
+  ``hermes_args.stream`` instead (the arguments as the model wrote them; a lone
+  ``<tool_call>`` is counted here all the same).
 - ``stream_finish_reason``: ``OpenAIServingChat.chat_completion_stream_generator`` skips an
   output for which the tool parser returned None (``if delta_message is None: continue``)
   before it looks at ``finish_reason``: when that output is the last one (a tool call cut by
@@ -35,7 +38,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Optional, Tuple
 from .. import config
 from .._log import log
 from ..versions import Family
-from . import code_shapes
+from . import code_shapes, hermes_args
 from ._common import ArgReader, Wrapper, counter
 
 STARTS = counter("hermes_tool_start")
@@ -45,7 +48,11 @@ CUT = counter("stream_cut_tool_call")
 PARSER_PARAMS = ("self", "previous_text", "current_text", "delta_text", "previous_token_ids",
                  "current_token_ids", "delta_token_ids", "request")
 PARSER_KNOWN: Dict[str, str] = {
-    "b89fd7041b7aa4ac": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
+    "b89fd7041b7aa4ac": "vLLM 0.6.3.post1 (the CoreX 3.2.3 stand-in keeps this file)",
+    # Iluvatar's vendored tree (wudixzy/competition at 5a1c8c79,
+    # vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py): 0.6.3.post1's method with
+    # logger.error for logger.exception in its except branch; the same branches.
+    "565bd9d642bbcd26": "CoreX 3.2.3's vendored tree",
 }
 STREAM_PARAMS = ("self", "request", "result_generator", "request_id", "conversation",
                  "tokenizer", "request_metadata")
@@ -70,18 +77,25 @@ def make_parser_wrapper(family: Family, original: Callable[..., Any],
 
     def extract_tool_calls_streaming(wrapped: Callable[..., Any], instance: Any,
                                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        _, _, _, previous, current, delta, _ = reader.read(args, kwargs)
+        previous_text, _, delta_text, previous, current, delta, _ = reader.read(args, kwargs)
         start = instance.tool_call_start_token_id
         end = instance.tool_call_end_token_id
+        lone_start = False
         if len(delta) == 1 and start in current:
             opened = current.count(start)
-            if opened > current.count(end) and opened > previous.count(start):
-                # 0.6.3's "starting a new tool call" branch with nothing to parse yet
-                instance.current_tool_id += 1
-                instance.current_tool_name_sent = False
-                instance.streamed_args_for_tool.append("")
+            lone_start = opened > current.count(end) and opened > previous.count(start)
+        if hermes_args.live():  # row hermes_tool_args: the whole stream read here
+            if lone_start:
                 STARTS.add()
-                return None
+            return hermes_args.stream(instance, module, previous_text, delta_text, previous,
+                                      current)
+        if lone_start:
+            # 0.6.3's "starting a new tool call" branch with nothing to parse yet
+            instance.current_tool_id += 1
+            instance.current_tool_name_sent = False
+            instance.streamed_args_for_tool.append("")
+            STARTS.add()
+            return None
         return wrapped(*args, **kwargs)
 
     return extract_tool_calls_streaming
