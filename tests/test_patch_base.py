@@ -114,3 +114,40 @@ def test_a_new_row_with_a_counter_is_its_row_its_module_and_nothing_else(paged_a
         assert _common.call_counts()["head_size_calls"] == 1
     finally:
         registry.revert_all()
+
+
+def test_the_code_checks_parse_one_thread_at_a_time(monkeypatch):
+    """CPython 3.11 (< 3.11.8) shares the AST converter's recursion depth between threads
+    (python/cpython#106905): decode's native profile, built per ops object, parsed in four
+    threads at once and failed with ``SystemError: AST constructor recursion depth mismatch``
+    in CI.  Every parse of the shim's is serialized by ``source.parse``."""
+    import ast
+    import time
+
+    from vllm_bi100_patch import guided_imports, source
+
+    inside, most, real = [0], [0], ast.parse
+    guard = threading.Lock()
+
+    def slow_parse(text, *args, **kwargs):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.002)
+        with guard:
+            inside[0] -= 1
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+
+    def work():
+        for _ in range(10):
+            assert source.function_def(test_the_code_checks_parse_one_thread_at_a_time)
+            assert len(guided_imports.reader_shape(guided_imports.__file__)) == 16
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1

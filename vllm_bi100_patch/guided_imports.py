@@ -158,10 +158,12 @@ def reader_shape(path: str) -> str:
     import ast
     import hashlib
 
+    from .source import parse
+
     source = _read(path)
     if not source:
         return f"{path} cannot be read"
-    tree = ast.parse(source)
+    tree = parse(source)
     body = [n for n in tree.body if not (isinstance(n, ast.Expr)
                                          and isinstance(n.value, ast.Constant))]
     text = ast.dump(ast.Module(body=body, type_ignores=[]), include_attributes=False)

@@ -10,9 +10,22 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import threading
 from typing import Any, Callable, List, Optional, Tuple
 
-__all__ = ["body_without_docstring", "function_def", "source_tree"]
+__all__ = ["body_without_docstring", "function_def", "parse", "source_tree"]
+
+#: CPython 3.11 (before 3.11.8) and 3.12.0 keep the AST converter's recursion depth per
+#: interpreter, not per thread: two threads parsing at once can fail with ``SystemError: AST
+#: constructor recursion depth mismatch`` (python/cpython#106905).  Every parse of the shim's
+#: goes through this lock.
+_PARSE_LOCK = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """``ast.parse(source)``, one thread at a time (``_PARSE_LOCK``)."""
+    with _PARSE_LOCK:
+        return ast.parse(source)
 
 
 def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable[..., Any]]]:
@@ -20,7 +33,7 @@ def source_tree(func: Callable[..., Any]) -> Optional[Tuple[ast.Module, Callable
     ``functools.wraps`` wrappers; None when the source cannot be read (builtins, C ops)."""
     try:
         inner = inspect.unwrap(func)
-        return ast.parse(textwrap.dedent(inspect.getsource(inner))), inner
+        return parse(textwrap.dedent(inspect.getsource(inner))), inner
     except (OSError, TypeError, SyntaxError, ValueError):
         return None
 

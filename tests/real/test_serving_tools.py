@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from helpers.probes import installed_vllm
 from serving_app import CITY, SCHEMA, TOOL
 
 pytestmark = pytest.mark.real_vllm
@@ -164,6 +165,9 @@ def test_outlines_of_063_builds_the_calls_schema():
     """The schema "required" guides by is one vLLM 0.6.3's outlines (0.0.46) compiles: its regex
     takes a call of each tool (a $defs reference resolved at the top), and no empty array,
     unknown name, wrong parameters or second call where parallel_tool_calls is false."""
+    installed = installed_vllm()
+    if not installed.startswith("0.6.3"):  # later vLLMs pin outlines 0.1, another regex builder
+        pytest.skip(f"the schema is built for vLLM 0.6.3's outlines; this is vLLM {installed}")
     build = pytest.importorskip("outlines.fsm.json_schema").build_regex_from_schema
     from vllm_bi100_patch.patches import tool_choice
 
