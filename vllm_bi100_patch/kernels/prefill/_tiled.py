@@ -137,10 +137,11 @@ class TiledRunner:
                 for t in wave]
         shifts: List[Optional[torch.Tensor]] = [None] * len(wave)
         for shifted in (False, True) if ops.shifted else (False,):
-            if shifted:
+            if shifted:  # groups backwards: the last one's keys are still staged
                 shifts = [ops.row_max(seq, t, rows[i]) for i, t in enumerate(wave)]
-            for grp in groups:
-                keys, _ = self._stage(seq, wave, grp, hidden, values=False)
+            for grp in reversed(groups) if shifted else groups:
+                staged = shifted and grp == groups[-1]
+                keys, _ = self._stage(seq, wave, grp, hidden, keys=not staged, values=False)
                 for i, t in enumerate(wave):
                     if t.g0 <= grp < t.g1:
                         ops.scores(t, q[i], keys, grp, rows[i], shifts[i])
