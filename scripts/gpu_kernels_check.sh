@@ -36,9 +36,9 @@ if [ "$DRY" = 1 ]; then
   # emulated where the CPU has no float16 instructions, and tests/kernels/test_device.py
   # runs every check in that formulation already.
   SELFTEST_ARGS=(--device cpu --formulation gpu --quick --repeats 1 --check check_formulation
-                 --check check_gqa_window_alibi --check check_unattended_slots
-                 --check check_fp8_cache --check check_decode_batch_invariance
-                 --check check_cuda_no_sync_and_budget)
+                 --check check_logit_precision --check check_gqa_window_alibi
+                 --check check_unattended_slots --check check_fp8_cache
+                 --check check_decode_batch_invariance --check check_cuda_no_sync_and_budget)
   BENCH_ARGS=(--device cpu --quick --repeats 1 --no-curve)
   PROFILE_ARGS=(--device cpu --quick --calls 1 --repeats 1)
 else

@@ -91,6 +91,42 @@ def test_selftest_table_and_exit_1_when_a_check_fails(capsys, monkeypatch):
     assert "| decode | fallback | 256 |" in text
 
 
+def test_selftest_reports_the_logit_precision_rows(capsys):
+    """Issue 34's rows (logit std 1-30, sinks 10-200) at the model's shape in the GPU
+    formulation: decode, prefix and dense, each within twice the float32-score reference,
+    in the JSON's ``precision`` section and the table's."""
+    argv = [a for a in SMALL if not a.startswith("check_") and a != "--check"]
+    argv += ["--check", "check_logit_precision", "--quick", "--formulation", "gpu",
+             "--lengths", "256", "--contexts", "0"]
+    rc, out, _ = _json(capsys, argv)
+    assert rc == 0, out["checks"]
+    rows = out["precision"]
+    assert [(r["kernel"], r["row"]) for r in rows[:3]] == [
+        ("decode", "sigma 1"), ("prefix", "sigma 1"), ("dense", "sigma 1")]
+    assert len(rows) == 3 * 8 and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert all(0 < r["error"] and r["ratio"] <= 2.0 for r in rows), rows
+    rc = cli_main.main(["selftest", *argv])
+    text = capsys.readouterr().out
+    assert "## precision: median relative error against float64" in text
+    assert "| dense | plain | bfloat16 | sink 200 |" in text
+
+
+def test_selftest_fails_where_the_precision_is_not_kept(capsys, monkeypatch):
+    """A kernel at 3x the float32-score reference fails the check (exit 1), its row named."""
+    def imprecise(*args, **kwargs):
+        return [{"kernel": "decode", "variant": "plain", "dtype": "bfloat16",
+                 "row": "sink 100", "error": 3e-3, "reference": 1e-3, "ratio": 3.0}]
+
+    monkeypatch.setattr(checks, "precision_rows", imprecise)
+    argv = [a for a in SMALL if not a.startswith("check_") and a != "--check"]
+    rc, out, _ = _json(capsys, argv + ["--check", "check_logit_precision", "--lengths", "256",
+                                       "--contexts", "0"])
+    assert rc == cli.EXIT_FAILED
+    check = out["checks"][0]
+    assert check["ok"] is False and "sink 100" in check["detail"], check
+    assert out["precision"][0]["ratio"] == 3.0
+
+
 def test_selftest_refuses_without_memory_for_the_smallest_case(capsys):
     rc = cli_main.main(["selftest", "--memory-mb", "64", *SMALL])
     assert rc == cli.EXIT_REFUSED

@@ -8,7 +8,8 @@ A *row* is one ``Case``: an operation (``decode``, ``prefix``, ``dense``), its s
 - ``tiled``: the tiled prefix path in the device's compute mode (on CPU: float32);
 - ``native``: the tiled prefix path with the GPU compute mode forced
   (``_common.FORCE_COMPUTE = "native"``: half-precision matrix products with float32
-  accumulation), the algorithm and numerics every GPU runs.
+  accumulation) and the GPU's tile layout (``FORCE_LAYOUT = "generic"``: strided gathers
+  straight into the staging buffers), the algorithm, numerics and gathers every GPU runs.
 
 ``account_row`` counts one row's call with ``tools.account.Account`` (launches, bytes,
 FLOPs, host reads) in the row's formulation, on the tensors it is given (CPU tensors stand in
@@ -181,7 +182,8 @@ def formulation(kind: str, kernels: Kernels) -> Iterator[None]:
     """Force ``kind`` (``default``, ``tiled``, ``native``) in ``kernels`` while inside."""
     forced = {"default": {}, "tiled": {(kernels.prefix, "FORCE_PATH"): "tiled"},
               "native": {(kernels.prefix, "FORCE_PATH"): "tiled",
-                         (kernels.common, "FORCE_COMPUTE"): "native"}}[kind]
+                         (kernels.common, "FORCE_COMPUTE"): "native",
+                         (kernels.common, "FORCE_LAYOUT"): "generic"}}[kind]
     if kind == "native" and not hasattr(kernels.common, "FORCE_COMPUTE"):
         raise SystemExit(f"{kernels.label}: kernels._common has no FORCE_COMPUTE hook")
     # A prefix without FORCE_PATH has one path (the tiled one): nothing to force there.

@@ -78,9 +78,12 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable(PREFIX_BUDGET_MB, "256", "integer >= 1",
              "Peak extra memory (MiB) each pure-PyTorch kernel (decode, prefix, dense prompt) may "
              "use per call; work is tiled to stay under it, whatever the context length, down to "
-             "the least a prompt row needs: its scores over its whole context (2 bytes x 2 x "
-             "query heads per key on GPUs, 4 MiB at 262,144 keys and 4 heads; a WARNING names a "
-             "budget below it)."),
+             "each kernel's minimum working set: for the prompt kernels a row's scores over its "
+             "whole context (2 bytes x query heads per key on GPUs, 2 MiB at 262,144 keys and 4 "
+             "heads) beside one key tile's staged K/V; for decode on GPUs its products' fixed "
+             "chunk (up to 32 MiB of gathered keys) beside one sequence (at the field's shape, "
+             "4/1 heads of 256 in float16: about 36 MiB at 4,096 tokens, 41 MiB at 131,072). A "
+             "budget below it runs over it, with a WARNING naming it."),
     Variable(SM_COUNT, "(device)", "integer >= 1",
              "SM count used by the V1/V2 decode rule; default: read from the device, 16 (BI-V100) "
              "when it cannot be read."),

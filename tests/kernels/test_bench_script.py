@@ -109,7 +109,7 @@ def test_gpu_kernels_check_dry_run(tmp_path):
                           cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = proc.stdout[proc.stdout.index("==== gpu_kernels_check summary ===="):]
-    assert "selftest on cpu: 5 checks passed, 0 failed, 1 skipped;" in summary
+    assert "selftest on cpu: 6 checks passed, 0 failed, 1 skipped;" in summary
     assert "| decode 2x256 |" in summary and "| prefix 2x(128+32) native |" in summary
     assert "| dense 1x256 native |" in summary and "model (a model" in summary
     assert "target tiled prefix" in summary
@@ -132,6 +132,10 @@ def test_gpu_kernels_check_dry_run(tmp_path):
     assert (tmp_path / "out" / "profile.txt").exists()
     report = json.loads((tmp_path / "out" / "selftest.json").read_text())
     assert report["ok"] and report["device"]["formulation"] == "gpu"
+    # The precision rows (issue 34) at the field's shape, float16 (--quick: the model's dtype).
+    assert len(report["precision"]) == 3 * 8, report["precision"]
+    assert {r["dtype"] for r in report["precision"]} == {"float16"}
+    assert all(r["ratio"] <= 2.0 for r in report["precision"]), report["precision"]
 
 
 def test_gpu_kernels_check_rejects_unknown_arguments(tmp_path):

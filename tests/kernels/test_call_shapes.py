@@ -15,9 +15,12 @@ block.  No output is compared here, so the test holds or fails the same on every
 thread count.  (The one other reduction, the re-run check's sum over a wave of tiles, only
 decides whether a row is finite, which no summation order changes.)
 
-Decode (batch invariance): a sequence's tiles go through batched products whose batch
-count follows the batch; what must not change is each batch element's matrix (shape and
-strides of the per-element operands), asserted alone and with batch mates.
+Decode (batch invariance, issue 34 item 2): on the device path every matrix product and
+every inexact reduction (the per-tile sums) has one signature, batch dimension included,
+whatever the batch mates, the memory budget's passes and the block table's width (products
+over a fixed chunk of tiles, the last one padded); the other reductions are exact (the
+maximum; the query's L1 norm in float64, exact for float16 queries).  On the CPU path each
+batch element's matrix is the same alone and with batch mates.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from helpers.reference import cpu_half_gemm, make_cache
 from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_bi100_patch.kernels import _common, paged_decode
+from vllm_bi100_patch.kernels import _common, decode, paged_decode
 from vllm_bi100_patch.kernels.prefill import _sdpa as _prefix_sdpa
-from vllm_bi100_patch.kernels.prefill import _tiled as _prefix_tiled
+from vllm_bi100_patch.kernels.prefill import _rows as _prefix_rows
 from vllm_bi100_patch.kernels.prefill import prefix
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
@@ -81,7 +84,7 @@ class Recorder(TorchDispatchMode):
 
 def _recorded(monkeypatch, fn) -> Recorder:
     rec = Recorder()
-    monkeypatch.setattr(_prefix_tiled, "TRACE", rec.trace)
+    monkeypatch.setattr(_prefix_rows, "TRACE", rec.trace)
     monkeypatch.setattr(_prefix_sdpa, "TRACE", rec.trace)
     with rec:
         fn()
@@ -212,3 +215,117 @@ def test_decode_elements_do_not_depend_on_the_batch(formulation, monkeypatch):
         assert rec.seen
         kinds.append(set(rec.seen))
     assert kinds[0] == kinds[1], (kinds[0] ^ kinds[1])
+
+
+# --- decode, device path: whole calls, batch dimension included ----------------------------
+
+#: Reductions whose result no order of summation can change (the maximum is exact; the L1
+#: norm of ``bounded_query`` sums float16 magnitudes in float64, exactly).
+_EXACT = {"amax", "max", "min", "linalg_vector_norm"}
+_REDUCTIONS = {"sum", "mean", "amax", "max", "min", "linalg_vector_norm", "norm", "logsumexp",
+               "cumsum", "prod", "var", "std"}
+
+
+class _Calls(TorchDispatchMode):
+    """Every product and reduction with its full operand signature (``_operand``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products: set = set()
+        self.exact: List[tuple] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__.rstrip("_")
+        if _is_product(name) or name in _REDUCTIONS:
+            sig = (name, _operand(args), tuple(sorted((k, _operand(v))
+                                                      for k, v in kwargs.items())))
+            if name in _EXACT:
+                self.exact.append((name, [a.dtype for a in args
+                                          if isinstance(a, torch.Tensor)], kwargs.get("dtype")))
+            else:
+                self.products.add(sig)
+        return func(*args, **kwargs)
+
+
+def _decode_batches(dtype):
+    """A target sequence alone (tight table, its own bound) and in batches: mates shorter,
+    longer (past 8,192 tokens), empty; another order; padding columns; an inflated bound;
+    budgets from one pass down to one sequence per pass."""
+    g = torch.Generator().manual_seed(34)
+    bs, kv, d, heads = 16, 2, 64, 8
+    lens = [2500, 9000, 17, 0, 4100]
+    blocks = [max(1, math.ceil(n / bs)) for n in lens]
+    kc, vc = make_cache(sum(blocks) + 1, kv, d, bs, dtype, "auto", g)
+    width = max(blocks) + 7
+    table = torch.full((len(lens), width), 10_000, dtype=torch.int32)
+    at = 1
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.arange(at, at + n, dtype=torch.int32)
+        at += n
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    spec = _common.check_cache(kc, vc, dtype, "auto")
+    least = decode.minimum_working_set(q, spec, 20_000) >> 20
+    alone = ([0], blocks[0], 2500, 256)
+    batches = [([0, 1, 2, 3, 4], width, None, 256), ([3, 4, 0, 2, 1], width, 20_000, 256),
+               ([2, 0], blocks[0], 2500, 256), ([0, 1, 2, 3, 4], width, 9000, least + 1),
+               ([1, 0, 4], width, 9000, 1)]
+    return (q, kc, vc, table, sl), alone, batches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_device_products_are_fixed_whatever_the_batch(dtype, monkeypatch):
+    """Every product and inexact reduction of a decode call, batch dimension, strides,
+    alignment and dtype included, is one of the calls the target sequence makes alone (and
+    vice versa): the batch mates, their order, the block table's padding columns, the bound
+    and the budget's passes change how many there are, never what they are."""
+    if dtype == torch.float16 and not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    (q, kc, vc, table, sl), alone, batches = _decode_batches(dtype)
+
+    def record(rows, width, bound, budget):
+        rec = _Calls()
+        idx = torch.tensor(rows)
+        with rec:
+            paged_decode(q[idx], kc, vc, table[idx, :width].clone(), sl[idx], 0.125,
+                         max_seq_len=bound, budget_mb=budget)
+        return rec
+
+    ref = record(*alone)
+    assert {sig[0] for sig in ref.products} == (
+        {"bmm", "sum"} if dtype == torch.float32 else {"bmm", "baddbmm", "sum"}), ref.products
+    assert len(ref.products) == (3 if dtype == torch.float32 else 4), ref.products
+    for case in batches:
+        rec = record(*case)
+        assert rec.products == ref.products, (case, rec.products ^ ref.products)
+        for name, _, acc in rec.exact:
+            assert name != "linalg_vector_norm" or acc == torch.float64, (case, name, acc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_device_rows_are_bit_identical_whatever_the_batch(dtype, threads,
+                                                                 monkeypatch):
+    """The same batches, compared bit for bit at one thread and at torch's default count
+    (the issue's case: a sequence of one tile alone, batch count 1, against it beside a
+    mate)."""
+    if dtype == torch.float16 and not cpu_half_gemm():
+        pytest.skip("no float16 GEMM on this CPU torch")
+    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    (q, kc, vc, table, sl), alone, batches = _decode_batches(dtype)
+
+    def row(rows, width, bound, budget):
+        idx = torch.tensor(rows)
+        out = paged_decode(q[idx], kc, vc, table[idx, :width].clone(), sl[idx], 0.125,
+                           max_seq_len=bound, budget_mb=budget)
+        return out[rows.index(0)]
+
+    want = row(*alone)
+    assert bool(want.isfinite().all())
+    for case in batches:
+        got = row(*case)
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), case

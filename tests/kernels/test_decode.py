@@ -17,6 +17,7 @@ from tools.memtrack import PeakMemory
 from vllm_bi100_patch.kernels import _common
 from vllm_bi100_patch.kernels import decode as decode_mod
 from vllm_bi100_patch.kernels import paged_decode
+from vllm_bi100_patch.kernels.decode import _device
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -191,7 +192,8 @@ def test_call_count_independent_of_num_seqs(path, monkeypatch):
     for num_seqs in (1, 16):
         q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 16, [400] * num_seqs)
         plan = decode_mod.plan_decode(q, _common.check_cache(kc, vc, q.dtype, "auto"), 400)
-        assert plan.chunk == plan.tiles and plan.seq_group == num_seqs  # one pass
+        assert plan.seq_group == num_seqs  # one pass: every tile at once (one chunk)
+        assert plan.chunk == plan.tiles if path == "cpu" else num_seqs * plan.tiles <= plan.chunk
         counts.append(_python_calls(
             lambda a=(q, kc, vc, bt, sl): paged_decode(*a, 0.1, max_seq_len=400)))
         with _OpLog() as log:
@@ -208,7 +210,8 @@ def test_call_count_independent_of_num_seqs(path, monkeypatch):
 def test_plan_bounded_for_huge_batches(path, monkeypatch):
     """4,096 sequences over 32,768 positions (8 KV heads of 128, bf16): the plan's passes
     keep the working set under the budget (groups of sequences, one tile per pass at
-    worst), with the same fixed tile as a single sequence."""
+    worst on CPUs; on devices the products' chunk is the same as for one sequence), with
+    the same fixed tile as a single sequence."""
     layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
     monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
     monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
@@ -219,19 +222,28 @@ def test_plan_bounded_for_huge_batches(path, monkeypatch):
     huge = decode_mod.plan_decode(q, spec, 32768, 256)
     alone = decode_mod.plan_decode(q[:1], spec, 32768, 256)
     assert huge.tile == alone.tile and huge.tiles == alone.tiles == 32768 // huge.tile
-    gathered = huge.seq_group * huge.chunk * huge.tile * 8 * 128 * 4
-    assert 1 <= huge.seq_group < 4096 and gathered <= 256 << 20, huge
+    assert 1 <= huge.seq_group < 4096, huge
+    if path == "cpu":
+        assert huge.seq_group * huge.chunk * huge.tile * 8 * 128 * 4 <= 256 << 20, huge
+    else:
+        assert huge.chunk == alone.chunk, (huge, alone)
+        assert _device.working_set(huge.seq_group, 32, spec, 32768, torch.bfloat16) <= 256 << 20
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("budget_mb", [2, 8])
 def test_peak_memory_under_budget(path, budget_mb, monkeypatch):
     """The working set of a call (tools.memtrack, besides the output) stays under
-    ``budget_mb`` whatever the context, and the answer does not depend on the budget."""
+    ``budget_mb`` whatever the context, and the answer does not depend on the budget (the
+    device path's budgets here: its minimum working set, the products' chunk and one
+    sequence, plus 2 or 8 MiB: ``test_memory_budget.py`` holds the rest)."""
     layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
     monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
     monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
     q, kc, vc, bt, sl = _case(torch.bfloat16, 128, 8, 4, 16, [6000, 3000, 17, 0], seed=2)
+    if path == "gpu":
+        spec = _common.check_cache(kc, vc, q.dtype, "auto")
+        budget_mb += decode_mod.minimum_working_set(q, spec, bt.shape[1] * 16) >> 20
     with PeakMemory() as mem:
         out = paged_decode(q, kc, vc, bt, sl, 0.1, budget_mb=budget_mb)
     assert mem.peak_bytes - out.untyped_storage().nbytes() <= budget_mb << 20

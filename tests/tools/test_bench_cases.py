@@ -68,8 +68,8 @@ def test_build_lays_out_vllm_caches_with_distinct_blocks():
 def _by_hand(case):
     """The account of the row's call written out without the case builders' ``call``."""
     inp = build(case, "cpu")
-    saved = _common.FORCE_COMPUTE, prefix.FORCE_PATH
-    _common.FORCE_COMPUTE, prefix.FORCE_PATH = "native", "tiled"
+    saved = _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT
+    _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT = "native", "tiled", "generic"
     try:
         with Account() as acc:
             if case.op == "decode":
@@ -79,7 +79,7 @@ def _by_hand(case):
             else:
                 dense.varlen_attention(*inp.args, [case.new], 256 ** -0.5, causal=True)
     finally:
-        _common.FORCE_COMPUTE, prefix.FORCE_PATH = saved
+        _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT = saved
     return acc
 
 
@@ -102,24 +102,25 @@ def test_formulation_is_forced_inside_the_call_only():
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append((_common.FORCE_COMPUTE, prefix.FORCE_PATH))
+        seen.append((_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT))
         return paged_decode(*args, **kwargs)
 
     kernels = this_package()
     kernels = type(kernels)("spy", spy, kernels.paged_prefix, kernels.varlen_attention,
                             kernels.prefix, kernels.common)
-    before = (_common.FORCE_COMPUTE, prefix.FORCE_PATH)
+    before = (_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT)
     for kind in ("default", "tiled", "native"):
         call(build(Case("decode", 1, 32, 1, kind, FIELD), "cpu"), kernels)()
-    assert seen == [before, (before[0], "tiled"), ("native", "tiled")]
-    assert (_common.FORCE_COMPUTE, prefix.FORCE_PATH) == before
+    assert seen == [before, (before[0], "tiled", before[2]), ("native", "tiled", "generic")]
+    assert (_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT) == before
 
 
 def test_native_rows_count_the_gpu_compute_mode():
-    """fp32 (CPU) and native rows differ: the native one keeps K/V in float16."""
-    inp = build(Case("decode", 1, 512, 1, "default", FIELD), "cpu")
+    """fp32 (CPU) and native rows differ: the native one keeps K/V in float16 (32 tiles: the
+    products' chunk of 64 is half padding, and still fewer bytes)."""
+    inp = build(Case("decode", 1, 32768, 1, "default", FIELD), "cpu")
     fp32 = account_row(inp, this_package())
-    inp.case = Case("decode", 1, 512, 1, "native", FIELD)
+    inp.case = Case("decode", 1, 32768, 1, "native", FIELD)
     native = account_row(inp, this_package())
     assert native["bytes"] < fp32["bytes"]
 

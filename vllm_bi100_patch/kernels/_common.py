@@ -273,8 +273,15 @@ def bounded_query(q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tenso
     The L1 norm, not ``head_size * max |q|``, keeps the small components of a query with an
     outlier channel out of float16's subnormal range: a component keeps full precision down
     to ``2**-14`` of the row's L1 norm (smaller ones add at most ``2**-25`` of it each to a
-    score)."""
-    norm = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float32)
+    score).
+
+    The norm is summed in float64: exact for float16 queries (every partial sum of float16
+    magnitudes is a multiple of ``2**-24`` below ``2**24``), so no summation order (a
+    reduction's split follows the shape of the whole call) changes it; for other dtypes a
+    different order could move it across a power of two only where it lies within ``2**-44``
+    of one, and a step twice as large scales every product exactly (no bit of a result
+    changes but in the subnormal range)."""
+    norm = torch.linalg.vector_norm(q, 1, dim=-1, keepdim=True, dtype=torch.float64)
     step = torch.pow(2.0, torch.frexp(norm).exponent)  # norm = m * 2**e, 1/2 <= m < 1
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.device)

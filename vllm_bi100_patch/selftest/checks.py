@@ -15,14 +15,15 @@ where it fails.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels import _common, paged_decode, paged_prefix
+from ..kernels import _common, decode, paged_decode, paged_prefix
 from ..kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
+from .precision import MAX_RATIO, precision_rows
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
                         make_tables, prefix_inputs, ref_decode, ref_prefix, rel_error)
 from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
@@ -30,6 +31,13 @@ from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
 #: The dtypes the checks run in (None: every dtype the device multiplies, see ``_dtypes``);
 #: ``selftest --quick`` narrows it to the model's.  Set through ``use_device_formulation``.
 DTYPES: Optional[Sequence[torch.dtype]] = None
+#: The per-rank shape of the precision check, ``(query heads, KV heads, head size)``: the
+#: model's in ``selftest`` (``use_device_formulation``), else issue 34's.
+SHAPE: Tuple[int, int, int] = (4, 1, 128)
+#: ``selftest --quick``: fewer precision variants.
+QUICK = False
+#: The rows of the last ``check_logit_precision`` (``selftest``'s ``precision`` section).
+PRECISION_ROWS: List[Dict[str, Any]] = []
 
 
 class Skip(Exception):
@@ -37,27 +45,30 @@ class Skip(Exception):
 
 
 def use_device_formulation(device: torch.device, gpu: bool = True,
-                           dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, Any]:
+                           dtypes: Optional[Sequence[torch.dtype]] = None,
+                           shape: Optional[Tuple[int, int, int]] = None,
+                           quick: bool = False) -> Dict[str, Any]:
     """Force the GPU formulation on CPU (``gpu``; else the CPU's own), the device's own choice
-    elsewhere; the checks' dtypes (``DTYPES``); returns the previous settings for
-    ``restore``."""
-    global DTYPES
+    elsewhere; the checks' dtypes (``DTYPES``), the precision check's shape and ``QUICK``;
+    returns the previous settings for ``restore``."""
+    global DTYPES, SHAPE, QUICK
     saved = {"FORCE_LAYOUT": _common.FORCE_LAYOUT, "FORCE_COMPUTE": _common.FORCE_COMPUTE,
-             "FORCE_PATH": prefix.FORCE_PATH, "DTYPES": DTYPES}
+             "FORCE_PATH": prefix.FORCE_PATH, "DTYPES": DTYPES, "SHAPE": SHAPE,
+             "QUICK": QUICK}
     cpu = device.type == "cpu" and gpu
     _common.FORCE_LAYOUT = "generic" if cpu else None
     _common.FORCE_COMPUTE = "native" if cpu else None
     prefix.FORCE_PATH = None
-    DTYPES = dtypes
+    DTYPES, SHAPE, QUICK = dtypes, shape or SHAPE, quick
     return saved
 
 
 def restore(saved: Dict[str, Any]) -> None:
-    global DTYPES
+    global DTYPES, SHAPE, QUICK
     _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]
     _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]
     prefix.FORCE_PATH = saved["FORCE_PATH"]
-    DTYPES = saved["DTYPES"]
+    DTYPES, SHAPE, QUICK = saved["DTYPES"], saved["SHAPE"], saved["QUICK"]
 
 
 def _sync(device: torch.device) -> None:
@@ -138,6 +149,31 @@ def check_gqa_window_alibi(device: torch.device) -> None:
             assert rel_error(out.cpu(), ref) <= TOLERANCE[("native", dtype)]
 
 
+def check_logit_precision(device: torch.device) -> None:
+    """Issue 34's rows (logit std 1, 5, 10, 30; sinks 10-200 above std-1 logits) in each half
+    dtype: decode over 4,096 tokens, the prefix (512 cached + 256 new; keys in one group and,
+    but with ``--quick``, under a 1 MiB budget in several) and the dense kernel, at the
+    model's per-rank shape: the median error against float64 at most twice the float32-score
+    reference's (what vLLM's CUDA kernel computes).  The rows are the report's ``precision``
+    section."""
+    halves = [d for d in _dtypes(device) if d != torch.float32]
+    if not halves:
+        raise Skip("no half-precision dtype to check")
+    heads, kv, head_size = SHAPE
+    saved = prefix.FORCE_PATH
+    prefix.FORCE_PATH = "tiled" if device.type == "cpu" else saved  # what a card runs
+    try:
+        rows = precision_rows(device, halves, ("decode", "prefix", "dense"),
+                              variants=("plain",) if QUICK else ("plain", "groups"),
+                              heads=heads, kv_heads=kv, head_size=head_size)
+    finally:
+        prefix.FORCE_PATH = saved
+    PRECISION_ROWS[:] = rows
+    worse = [(r["kernel"], r["variant"], r["dtype"], r["row"], round(r["ratio"], 2))
+             for r in rows if not r["ratio"] <= MAX_RATIO]
+    assert not worse, f"median error above {MAX_RATIO}x the float32-score reference: {worse}"
+
+
 def check_unattended_slots(device: torch.device) -> None:
     q, kc, vc, bt, sl = decode_inputs(_dtypes(device)[0], 128, 1.0, 2)
     sl = torch.tensor([0, 1, 15, 16, 17, 50], dtype=torch.int32)
@@ -208,42 +244,52 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _invariance_case(dtype: torch.dtype, lens: List[int], seed: int = 7):
-    """Sequences ``lens`` in random blocks, a block table with garbage padding columns."""
+    """Sequences ``lens`` in random blocks, a block table with garbage padding columns, at
+    the model's per-rank shape (``SHAPE``)."""
+    heads, kv, head_size = SHAPE
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / 16) for n in lens) + 2
-    kc, vc = make_cache(num_blocks, 2, 128, 16, dtype, gen=g)
+    kc, vc = make_cache(num_blocks, kv, head_size, 16, dtype, gen=g)
     width = max(math.ceil(n / 16) for n in lens) + 5
     bt = make_tables(lens, 16, width, num_blocks, g, pad=num_blocks + 999)
-    q = torch.randn(len(lens), 8, 128, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_size, generator=g).to(dtype)
     return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32)
 
 
 def check_decode_batch_invariance(device: torch.device) -> None:
-    """A sequence's decode output is bit-identical alone and batched (a mate past 8,192
-    tokens, short and empty mates, padding columns, two orders, a budget that forces passes),
-    with GQA and ALiBi.  Exact on CPU by construction (every product and reduction has the
-    tile's shape); on a GPU the matrix-product library could still pick another algorithm by
-    batch count: this check shows whether it does."""
+    """A sequence's decode output is bit-identical alone and batched, at the model's shape: a
+    3,000-token sequence and a one-tile one (800 tokens: alone, every product has one batch
+    element per KV head) beside a mate past 8,192 tokens, short and empty mates, padding
+    columns, two orders, a budget that forces passes (one MiB above the minimum working
+    set); with and without ALiBi (``--quick``: without).  On devices every product has one
+    fixed shape whatever the batch (``kernels.decode._device``); the matrix-product library
+    could still compute a batch element differently by its place in the batch: this check
+    shows whether it does."""
     failures = []
+    heads = SHAPE[0]
     for dtype in _dtypes(device):
-        q, kc, vc, bt, sl = _invariance_case(dtype, [3000, 9000, 100, 0])
-        slopes = torch.linspace(0.01, 0.2, 8)
-        for alibi in (None, slopes):
-            alone_args = [t.to(device) for t in (q[:1], kc, vc, bt[:1, :188].clone(), sl[:1])]
-            alone = paged_decode(*alone_args, 0.09, max_seq_len=3000,
-                                 alibi_slopes=None if alibi is None else alibi.to(device))
-            order = [2, 0, 3, 1]
-            for budget_mb, rows in ((256, list(range(4))), (1, order)):
-                args = [t.to(device) for t in (q[rows], kc, vc, bt[rows], sl[rows])]
-                batched = paged_decode(*args, 0.09, max_seq_len=9000, budget_mb=budget_mb,
-                                       alibi_slopes=None if alibi is None else alibi.to(device))
-                row = rows.index(0)
-                _sync(device)
-                got, want = batched[row].cpu(), alone[0].cpu()
-                if not torch.equal(_bits(got), _bits(want)):
-                    diff = (got.double() - want.double()).abs().max().item()
-                    failures.append((str(dtype), "alibi" if alibi is not None else "-",
-                                     budget_mb, diff))
+        q, kc, vc, bt, sl = _invariance_case(dtype, [3000, 9000, 100, 0, 800])
+        spec = _common.check_cache(kc, vc, dtype, "auto")
+        small = (decode.minimum_working_set(q.to(device), spec, 9008) >> 20) + 1
+        slopes = torch.linspace(0.01, 0.2, heads)
+        for target, n in ((0, 3000), (4, 800)):
+            for alibi in (None,) if QUICK else (None, slopes):
+                al = None if alibi is None else alibi.to(device)
+                blocks = math.ceil(n / 16)
+                alone_args = [t.to(device) for t in (q[target:target + 1], kc, vc,
+                                                     bt[target:target + 1, :blocks].clone(),
+                                                     sl[target:target + 1])]
+                alone = paged_decode(*alone_args, 0.09, max_seq_len=n, alibi_slopes=al)
+                for budget_mb, rows in ((256, [0, 1, 2, 3, 4]), (small, [2, 4, 0, 3, 1])):
+                    args = [t.to(device) for t in (q[rows], kc, vc, bt[rows], sl[rows])]
+                    batched = paged_decode(*args, 0.09, max_seq_len=9000, budget_mb=budget_mb,
+                                           alibi_slopes=al)
+                    _sync(device)
+                    got, want = batched[rows.index(target)].cpu(), alone[0].cpu()
+                    if not torch.equal(_bits(got), _bits(want)):
+                        diff = (got.double() - want.double()).abs().max().item()
+                        failures.append((str(dtype), n, "alibi" if alibi is not None else "-",
+                                         budget_mb, diff))
     assert not failures, f"decode rows differ alone vs batched: {failures}"
 
 
@@ -280,8 +326,8 @@ def check_prefix_slicing_invariance(device: torch.device) -> None:
 
 
 CHECKS: List[Callable[[torch.device], None]] = [
-    check_formulation, check_reference_grid, check_large_magnitudes, check_gqa_window_alibi,
-    check_unattended_slots, check_fp8_cache, check_decode_batch_invariance,
+    check_formulation, check_reference_grid, check_large_magnitudes, check_logit_precision,
+    check_gqa_window_alibi, check_unattended_slots, check_fp8_cache, check_decode_batch_invariance,
     check_prefix_slicing_invariance,
     check_cuda_no_sync_and_budget,
 ]

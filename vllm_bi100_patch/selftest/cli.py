@@ -188,7 +188,8 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
         "threads": torch.get_num_threads()}
     out: Dict[str, Any] = {"version": __version__, "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d"), "device": dev, "shape": shape.as_dict(),
-        "checks": [], "timings": [], "projection": [], "prefill": [], "recommendations": [],
+        "checks": [], "precision": [], "timings": [], "projection": [], "prefill": [],
+        "recommendations": [],
         "not_run": [], "ok": False}
     smallest = timing.cache_bytes(shape, min(lengths or [1024])) + budget * MiB
     if limit < smallest + CHECKS_MIB * MiB:
@@ -201,7 +202,10 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
     progress(f"selftest on {dev['name']}: {shape.heads}/{shape.kv_heads} heads of "
              f"{shape.head_size}, {shape.dtype}; native: {why}")
     saved = checks.use_device_formulation(device, a.formulation == "gpu",
-                                          [dtype] if a.quick else None)
+                                          [dtype] if a.quick else None,
+                                          (shape.heads, shape.kv_heads, shape.head_size),
+                                          a.quick)
+    checks.PRECISION_ROWS.clear()
     peak = [0]
     try:
         every = list(checks.CHECKS) + native.native_checks(v1, dtype, shape.head_size)
@@ -214,6 +218,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
         for fn in chosen:
             progress(f"check {fn.__name__} ...")
             out["checks"].append(_run_check(fn, device))
+        out["precision"] = list(checks.PRECISION_ROWS)
         deadline = start + (a.time_limit or (90.0 if a.quick else 300.0)) * 0.85
         p = timing.Plan(lengths, contexts, a.chunk_size, a.repeats or (3 if a.quick else 10),
                         budget, limit, deadline)

@@ -37,6 +37,14 @@ def table(report: Dict[str, Any]) -> str:
                [[c["name"], "ok" if c["ok"] else ("skip" if c["ok"] is None else "FAIL"),
                  _fmt(c["seconds"], ".1f"), c.get("detail", "")[:160]]
                 for c in report["checks"]])
+    if report.get("precision"):
+        out += ["", "## precision: median relative error against float64 (bar: 2x the "
+                "float32-score reference, vLLM's kernel's numerics)"]
+        out += _md(["kernel", "variant", "dtype", "logits", "error", "float32-score ref.",
+                    "ratio"],
+                   [[p["kernel"], p["variant"], p["dtype"], p["row"], _fmt(p["error"], ".2e"),
+                     _fmt(p["reference"], ".2e"), _fmt(p["ratio"], ".2f")]
+                    for p in report["precision"]])
     out += ["", "## timings (median per call, one layer)"]
     out += _md(["kernel", "route", "tokens", "ms", "launches", "MiB moved", "GB/s",
                 "account"],

@@ -43,11 +43,12 @@ from .._common import (
     scale_factor,
     work_dtype,
 )
+from . import _cpu, _device
 from ._cpu import attend_cpu, plan_cpu
 from ._device import attend_device, plan_device
 from ._tiles import Calls, TilePlan
 
-__all__ = ["DEFAULT_BUDGET_MB", "paged_decode", "plan_decode"]
+__all__ = ["DEFAULT_BUDGET_MB", "minimum_working_set", "paged_decode", "plan_decode"]
 
 #: Default working-set budget of one call (MiB): the default of ``VLLM_BI100_PREFIX_BUDGET_MB``,
 #: the setting the patch layer passes for both pure-PyTorch kernels.
@@ -141,6 +142,18 @@ def plan_decode(query: torch.Tensor, spec: CacheSpec, width_tokens: int,
         return plan_cpu(num_seqs, num_heads, spec, width_tokens, budget)
     return plan_device(num_seqs, num_heads, spec, width_tokens,
                        work_dtype(query.dtype, query.device), budget)
+
+
+def minimum_working_set(query: torch.Tensor, spec: CacheSpec, width_tokens: int) -> int:
+    """Bytes one call over ``width_tokens`` positions needs at least (one sequence, one tile
+    of it per pass on CPUs; on devices one sequence beside the products' fixed chunk,
+    ``decode._device.working_set``): under a smaller ``budget_mb`` the call runs over it
+    (one WARNING per setting on devices; a CPU's one-tile pass is a few hundred KiB)."""
+    _, heads, _ = query.shape
+    if _cpu_path(query.device):
+        return _cpu.working_set(1, 1, heads, spec, width_tokens)
+    return _device.working_set(1, heads, spec, width_tokens,
+                               work_dtype(query.dtype, query.device))
 
 
 def _cpu_path(device: torch.device) -> bool:

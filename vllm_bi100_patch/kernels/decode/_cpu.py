@@ -28,7 +28,7 @@ from .._common import CacheSpec, ScaleLike, ceil_div
 from ._tiles import Calls, TilePlan, finish, merge, plan_tiles
 from .._gather import gather_keys, gather_values_blocks
 
-__all__ = ["CPU_PASS_BYTES", "CPU_TILE_TOKENS", "attend_cpu", "plan_cpu"]
+__all__ = ["CPU_PASS_BYTES", "CPU_TILE_TOKENS", "attend_cpu", "plan_cpu", "working_set"]
 
 #: Tokens per tile on CPUs (rounded up to a multiple of the block size): short, because a
 #: CPU pays for the positions gathered past a sequence's end, not for the number of ops
@@ -38,26 +38,34 @@ CPU_TILE_TOKENS = 64
 CPU_PASS_BYTES = 4 << 20
 
 
-def plan_cpu(num_seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
-             budget_bytes: int) -> TilePlan:
-    """The CPU path's tiles and passes under ``budget_bytes``."""
+def working_set(seqs: int, chunk: int, heads: int, spec: CacheSpec, width_tokens: int) -> int:
+    """Bytes ``seqs`` sequences hold with ``chunk`` tiles per pass: per sequence for the
+    whole call, scores (and an ALiBi bias), masks and block ids, partials and the tree's
+    first level; per sequence and tile of a pass, float32 K or V with its raw and staged
+    copies, the per-block P.V and the probabilities' copy.  ``working_set(1, 1, ...)`` is the
+    minimum working set."""
     tile = ceil_div(CPU_TILE_TOKENS, spec.block_size) * spec.block_size
     tiles = max(1, ceil_div(width_tokens, tile))
     leaves = 1 << (tiles - 1).bit_length()
     d, kv = spec.head_size, spec.num_kv_heads
     raw = torch.empty((), dtype=spec.storage_dtype).element_size()
-    # Per sequence for the whole call: scores (and an ALiBi bias), masks and block ids,
-    # partials and the tree's first level; per sequence and tile of a pass: float32 K or V
-    # with its raw and staged copies, the per-block P.V and the probabilities' copy.
     fixed = tiles * tile * (heads * 8 + 2) + leaves * heads * (d + 1) * 4 * 2
     gathered = tile * kv * d * 4
     per_tile = gathered + tile * kv * d * 2 * raw + (tile // spec.block_size + 2) * heads * d * 4 \
         + heads * tile * 4
+    return seqs * (fixed + chunk * per_tile)
+
+
+def plan_cpu(num_seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
+             budget_bytes: int) -> TilePlan:
+    """The CPU path's tiles and passes under ``budget_bytes``."""
+    tile = ceil_div(CPU_TILE_TOKENS, spec.block_size) * spec.block_size
+    gathered = tile * spec.num_kv_heads * spec.head_size * 4
 
     def cost(seqs: int, chunk: int) -> int:
         if chunk > 1 and seqs * chunk * gathered > CPU_PASS_BYTES:
             return budget_bytes + 1
-        return seqs * (fixed + chunk * per_tile)
+        return working_set(seqs, chunk, heads, spec, width_tokens)
 
     return plan_tiles(num_seqs, width_tokens, tile, budget_bytes, cost)
 

@@ -40,8 +40,9 @@ class Calls(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
     """How one call is cut: ``tiles`` absolute tiles of ``tile`` tokens (``leaves``: the
-    merge tree's, a power of two >= ``tiles``), ``chunk`` tiles gathered per pass, sequences
-    in groups of ``seq_group``."""
+    merge tree's, a power of two >= ``tiles``), ``chunk`` tiles gathered per pass (CPUs) or
+    tiles of sequences per product (devices, ``decode._device``), sequences in groups of
+    ``seq_group``."""
 
     tile: int
     tiles: int

@@ -19,14 +19,14 @@ from typing import Iterable, Optional, Set
 import torch
 
 from ..._log import log
-from .._common import work_dtype
+from .._common import compute_mode, work_dtype
 from ._plan import (
     PrefixInputs,
     SeqSpan,
     Tiling,
+    minimum_working_set,
     sdpa_max_end,
     sdpa_path_ok,
-    stage_bytes,
     tiling,
 )
 from ._sdpa import sdpa_rows
@@ -79,7 +79,13 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
     work = work_dtype(query.dtype, device)
     block = inp.spec.block_size if inp.spec is not None else 16
     alibi = inp.slopes is not None
-    til = tiling(heads, kv, d, block, work, budget, window=inp.window)
+    if alibi:
+        # ALiBi's bias must meet the exact product before the half-precision rounding (a
+        # far key's bias and score can both be in the hundreds): its calls compute in
+        # float32 in every compute mode (the GPU compute mode with the GPU's tile sizes).
+        work = torch.float32
+    til = tiling(heads, kv, d, block, work, budget, window=inp.window,
+                 gpu=compute_mode(device) == "native")
     runner = TiledRunner(inp, til, budget)
     sdpa = (causal and not alibi and isinstance(inp.q_scale, float) and force != "tiled"
             and (force == "sdpa" or sdpa_path_ok(query.dtype, device)))
@@ -95,7 +101,7 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
         if split:
             sdpa_rows(inp, seq, split, out, None if force == "sdpa" else sdpa_end)
         if split < seq.q_len:
-            _warn_small_budget(til, heads, kv, d, budget, seq.end)
+            _warn_small_budget(til, heads, kv, d, budget, seq.end, inp.spec is not None)
             runner.run(seq, out, split)
         if stats is not None:
             stats.record(seq, split)
@@ -105,19 +111,17 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
 
 
 def _warn_small_budget(til: Tiling, heads: int, kv: int, d: int, budget: int,
-                       end: int) -> None:
-    """One WARNING per setting when a sequence's last score row (of the tile before ``end``)
-    and one key tile's staged K/V together exceed the three quarters of the budget they
-    share (the wave's buffers take the rest); the kernels then run over it."""
+                       end: int, gathered: bool) -> None:
+    """One WARNING per setting when a sequence's minimum working set (its last score row and
+    one key tile's staged K/V in three quarters of the budget, ``minimum_working_set``)
+    passes the budget; the kernels then run over it."""
     key = (budget, heads, kv, d, til.work)
     if key in _warned:
         return
-    size = til.tile_of(end - 1)[1]
-    rows = size * end * til.row_elem
-    stage = stage_bytes(til.key_tile, kv, d, torch.empty((), dtype=til.work).element_size())
-    if rows + stage > budget * 3 // 4:
+    least = minimum_working_set(til, kv, d, end, gathered)
+    if least > budget:
         _warned.add(key)
+        size = til.tile_of(end - 1)[1]
         log.warning("prefix/dense attention: budget %d MiB is below the minimum working set "
-                    "(%.1f MiB: %d query rows against %d keys, %.1f MiB of staged K/V); "
-                    "running over it", budget >> 20, (rows + stage) / 2**20, size, end,
-                    stage / 2**20)
+                    "(%.1f MiB: %d query rows against %d keys, one key tile's staged K/V); "
+                    "running over it", budget >> 20, least / 2**20, size, end)

@@ -50,20 +50,20 @@ def waves(tiles: List[Tile], til: Tiling, row_bytes: int, limit: int) -> List[Li
     """Consecutive tiles of one kind (over one key group, or several) whose per-tile
     buffers (``row_bytes`` per query row) fit ``limit`` and, for tiles over several groups,
     whose score rows fit the score budget: every tile's scores are kept while K is staged
-    group by group, then each tile's probabilities replace its scores (one tile has both)."""
+    group by group (twice in a half-precision work dtype), then each tile's probabilities
+    replace its scores in place."""
     out: List[List[Tile]] = []
     cur: List[Tile] = []
-    rows = scores = largest = 0
+    rows = scores = 0
     for t in tiles:
-        s = t.size * t.keys * til.row_elem // 2  # its scores (as many probabilities)
+        s = t.size * t.keys * til.row_elem  # its scores
         if cur and (t.spanning != cur[0].spanning or rows + t.size * row_bytes > limit
-                    or (t.spanning and scores + s + max(largest, s) > til.score_bytes)):
+                    or (t.spanning and scores + s > til.score_bytes)):
             out.append(cur)
-            cur, rows, scores, largest = [], 0, 0, 0
+            cur, rows, scores = [], 0, 0
         cur.append(t)
         rows += t.size * row_bytes
         scores += s
-        largest = max(largest, s)
     if cur:
         out.append(cur)
     return out

@@ -10,8 +10,9 @@ or its batch mates.
   function of the position alone: ``Tiling.bands`` lists ``(first position, tile size)``,
   sizes growing with the position from ``QUERY_TILE_FIRST`` to ``QUERY_TILE_MAX`` of the
   compute mode, then halving (down to ``MIN_QUERY_TILE``) where a tile's whole score row
-  (``tile_bytes``: its scores and probabilities over every key it sees) would pass the
-  call's score budget.  A tile is the unit of every matrix product and softmax: its rows
+  (``tile_bytes``: its scores over every key it sees; the softmax writes the probabilities
+  in place) would pass the call's score budget, or its per-tile buffers the wave's share.
+  A tile is the unit of every matrix product and softmax: its rows
   (padded with zero rows where the call has no query) against its own key range
   ``[lo, tile end)`` (``lo`` 0, or the window's start aligned down to ``key_tile``), never
   beside another tile's rows.
@@ -38,7 +39,8 @@ import torch
 
 from .._common import CacheSpec, ScaleLike, ceil_div
 
-__all__ = ["PrefixInputs", "SeqSpan", "Tiling", "sdpa_max_end", "sdpa_path_ok",
+__all__ = ["PrefixInputs", "SeqSpan", "Tiling", "minimum_working_set", "sdpa_max_end",
+           "sdpa_path_ok", "wave_row_bytes",
            "sdpa_tile_bytes", "stage_bytes", "tile_bytes", "tiling", "value_columns"]
 
 #: The torch release whose CPU SDPA was verified here to run GQA with a boolean mask in its
@@ -51,24 +53,24 @@ _TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 #: Key tile (tokens): alignment of a sliding window's first key and of the key groups.
 #: Rounded up to a multiple of the block size.
 KEY_TILE = 256
-#: Largest query tile per compute mode (work element size 2: the GPU compute mode; 4: the
-#: CPU's float32 mode).  On a GPU every op is a launch with a host cost (CoreX forces eager
-#: mode): large tiles at positions where their rows are short keep the launches per call
-#: few; a CPU pays for a partial tile's padding rows in arithmetic: short tiles there.
+#: Largest query tile per compute mode (2: the GPU compute mode, whatever the work dtype; 4:
+#: the CPU's float32 mode).  On a GPU every op is a launch with a host cost (CoreX forces
+#: eager mode): large tiles at positions where their rows are short keep the launches per
+#: call few; a CPU pays for a partial tile's padding rows in arithmetic: short tiles there.
 QUERY_TILE_MAX = {2: 1024, 4: 64}
 #: The first tile's size: tiles double from it (a tile at ``[2**k, 2**(k+1))`` positions has
 #: ``2**k`` rows) up to ``QUERY_TILE_MAX``, so that a short prompt or an early chunk pays
 #: for few padding rows and keys.
 QUERY_TILE_FIRST = 256
-#: Smallest query tile: one row.  A row's scores and probabilities take ``2 * heads * keys``
-#: elements (at the field's shape, 4 query heads over one KV head of 256, a 64th of that
-#: sequence's K/V cache); only a budget below that runs over it (one WARNING,
-#: ``prefill._attend``).
+#: Smallest query tile: one row.  A row's scores take ``heads * keys`` elements (at the
+#: field's shape, 4 query heads over one KV head of 256, a 128th of that sequence's K/V
+#: cache); only a budget below that runs over it (one WARNING, ``prefill._attend``).
 MIN_QUERY_TILE = 1
-#: Score bytes (scores and probabilities) of one tile on GPUs, whatever the budget: a
-#: partial tile's padding rows cost bytes in proportion (a short chunk after a long cached
-#: context), and tiles this large already spend far longer moving bytes than launching ops.
-GPU_TILE_BYTES = 128 << 20
+#: Score bytes of one tile on GPUs, whatever the budget: a partial tile's padding rows cost
+#: bytes and products in proportion (a short chunk after a long cached context), and tiles
+#: this large already spend far longer moving bytes than launching ops.  (Scores only: the
+#: softmax writes the probabilities over them; 128 MiB of scores and probabilities before.)
+GPU_TILE_BYTES = 64 << 20
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
 SDPA_QUERY_TILE = 256
@@ -149,7 +151,7 @@ class Tiling:
     ``bands``: ``(first position, query tile)`` in ascending order, every first position a
     multiple of its tile (the last band has no end); ``score_bytes``: the budget for score
     rows (one tile's, or a wave's: ``prefill._tiled``); ``row_elem``: bytes per query row
-    and key of a tile's scores plus probabilities (every head)."""
+    and key of a tile's scores (every head; the probabilities replace them in place)."""
 
     key_tile: int
     group_keys: int
@@ -207,30 +209,69 @@ def stage_bytes(keys: int, kv_heads: int, head_size: int, work_elem: int,
     return keys * kv_heads * ((head_size + cols) * work_elem + raw)
 
 
+def wave_row_bytes(heads: int, head_size: int, work_elem: int, top: int,
+                   spanning: bool = True) -> int:
+    """Bytes per query row of a wave's per-tile buffers (``prefill._tiled``): its queries,
+    ``P.V`` with the ones column (and, for tiles over several key groups, its float32 sum
+    over them), the row's maximum and finite check, and its share of the causal mask (a
+    boolean row of the largest tile, ``top`` rows)."""
+    cols = value_columns(head_size, work_elem)
+    acc = 4 * cols if spanning else 0
+    return heads * ((head_size + cols) * work_elem + acc + 8) + top
+
+
 def tile_bytes(size: int, keys: int, heads: int, work_elem: int) -> int:
-    """Scores and probabilities of a tile of ``size`` query rows over ``keys`` keys."""
-    return 2 * size * keys * heads * work_elem
+    """Scores of a tile of ``size`` query rows over ``keys`` keys (the softmax overwrites them
+    with the probabilities)."""
+    return size * keys * heads * work_elem
+
+
+def minimum_working_set(til: Tiling, kv_heads: int, head_size: int, end: int,
+                        gathered: bool = True) -> int:
+    """Bytes a sequence whose keys end at position ``end`` needs at least: its last tile's
+    score row and one key tile's staged K/V (``gathered``: read from a paged cache) within
+    the three quarters of the budget they share (the wave's buffers take the rest).  Under
+    a smaller budget the kernels run over it (one WARNING per setting, ``prefill._attend``)."""
+    size = til.tile_of(end - 1)[1]
+    stage = stage_bytes(til.key_tile, kv_heads, head_size, _elem(til.work), gathered)
+    return (size * end * til.row_elem + stage) * 4 // 3
 
 
 def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
-           budget_bytes: int, *, window: Optional[int] = None) -> Tiling:
+           budget_bytes: int, *, window: Optional[int] = None,
+           gpu: Optional[bool] = None) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
-    K/V take at most three eighths of the budget, query tiles whose whole score row (scores
-    and probabilities) takes at most as much (on GPUs at most ``GPU_TILE_BYTES``); the
-    per-tile buffers of a wave take the last quarter (``prefill._tiled``)."""
+    K/V take at most three eighths of the budget, query tiles whose whole score row takes
+    at most as much (on GPUs at most ``GPU_TILE_BYTES``) and whose per-tile buffers
+    (``wave_row_bytes``) fit the last quarter, where a wave's tiles live
+    (``prefill._tiled``; tiles ending past the first key group may span groups and need
+    more).  ``gpu``: the GPU compute mode's tile sizes (by default: a half-precision work
+    dtype; the GPU compute mode's float32 calls pass it)."""
     we = _elem(work)
+    gpu = we == 2 if gpu is None else gpu
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
     per_key = stage_bytes(1, kv_heads, head_size, we)
     share = budget_bytes * 3 // 8
     groups = max(1, min(MAX_GROUP_KEYS // kt, share // (per_key * kt)))
     cap = share
-    if we == 2:
+    if gpu:
         cap = min(cap, GPU_TILE_BYTES)
     row_elem = tile_bytes(1, 1, heads, we)
-    top = QUERY_TILE_MAX[we]
+    top = QUERY_TILE_MAX[2 if gpu else 4]
+    quarter = budget_bytes // 4
+
+    def wave_fits(size: int, spanning: bool) -> bool:
+        return size <= MIN_QUERY_TILE or size * wave_row_bytes(
+            heads, head_size, we, top, spanning) <= quarter
+
+    while not wave_fits(top, False):
+        top //= 2
+    ks = groups * kt
     bands: List[Tuple[int, int]] = []
     # Tile sizes grow with the position (a partial tile's padding costs in proportion to
-    # it) up to ``top``, then halve where a tile's whole score row would pass ``cap``.
+    # it) up to ``top``, then halve where a tile's whole score row would pass ``cap`` or,
+    # past the first key group, where its buffers over several groups would pass the wave's
+    # quarter.
     start, size = 0, min(QUERY_TILE_FIRST, top)
     growing = size < top
     while True:
@@ -238,6 +279,8 @@ def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: tor
         limit = None if window is None else window + size + kt  # keys under a window
         if size > MIN_QUERY_TILE and (limit is None or size * limit * row_elem > cap):
             cap_end = cap // (size * row_elem) // size * size
+        if not wave_fits(size, True):
+            cap_end = min(ks // size * size, cap_end if cap_end is not None else ks)
         grow_end = 2 * size if growing else None
         ends = [e for e in (cap_end, grow_end) if e is not None]
         if not ends:

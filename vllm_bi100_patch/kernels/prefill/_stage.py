@@ -106,11 +106,7 @@ def stage_keys(inp: PrefixInputs, seq: SeqSpan, a: int, b: int, keys: torch.Tens
         assert inp.spec is not None
         bs = inp.spec.block_size
         n = (ceil_div(ctx_end, bs) - a // bs) * bs
-        target = keys[:, :n, :d]
-        if target.is_contiguous():
-            _cached_keys(inp, seq, a, ctx_end, dtype, target)
-        else:
-            target.copy_(_cached_keys(inp, seq, a, ctx_end, dtype, None))
+        _cached_keys(inp, seq, a, ctx_end, dtype, keys[:, :n, :d])
     n0, n1 = max(a, seq.ctx), min(b, seq.end)
     if n1 > n0:
         k, _ = new_tokens(inp, seq, n0, n1, dtype) if inp.fp8 else (inp.key[

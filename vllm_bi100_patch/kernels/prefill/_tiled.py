@@ -3,18 +3,11 @@ query tile, elementwise ops.
 
 This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).  A
 query tile (``prefill._plan``: absolute positions, its size a function of the position)
-goes through the same calls in every slicing:
-
-1. ``Q.K^T`` into the tile's score row buffer ``[kv, size * group, keys]``: one product per
-   key group its range touches (the softmax scale is its ``alpha``; a tensor scale multiplies
-   the staged queries first), each writing its group's columns;
-2. ALiBi (float32, rounded once into the scores) and the causal / window / padding masks
-   (``-inf``), then ``softmax`` over the whole row: the weights of every row sum to 1;
-3. ``P.V`` against the staged values and their ones column, one product per key group
-   (added in group order, in float32, when there are several): each row's weighted mean of
-   its values and the sum of its rounded weights; the row is their quotient.
-
-A half-precision ``P.V`` is a weighted mean (halved in float16): it cannot leave its values'
+goes through the same calls in every slicing (``prefill._rows``: the products, in a
+half-precision work dtype twice, the second time shifted by each row's maximum; the masks;
+the softmax in place; ``P.V`` against the staged values and their ones column: each row's
+weighted sum of its values and the sum of its rounded weights, the row their quotient).  A
+half-precision ``P.V`` is a weighted mean (halved in float16): it cannot leave its values'
 range and keeps float16's precision at every value scale.  A row whose output is not finite
 (its ``|q.k| * scale`` passed 65,504, an input is not finite, or a mean within 2**-10 of
 65,504 was rounded past it) is recomputed alone in float32 (``recompute``, a per-row
@@ -23,30 +16,26 @@ decision).
 Tiles are processed in *waves* (``prefill._grid``): their queries are staged in one buffer, K/V
 once per key group, and the rows written back in at most three ops per run of same-size
 tiles; tiles whose keys span several groups keep their score rows for the wave (K staged for
-all of them, then V).  What a wave shares is never an operand of a product or softmax beside
-another tile's rows: every such call has the shape, strides and alignment of its tile and
-group alone (``tests/kernels/test_call_shapes.py``).
+all of them, once more for the shifted products, then V).  What a wave shares is never an
+operand of a product or softmax beside another tile's rows: every such call has the shape,
+strides and alignment of its tile and group alone (``tests/kernels/test_call_shapes.py``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..._log import log
 from .._common import ceil_div
 from ._grid import Layout, Tile, waves
-from ._plan import PrefixInputs, SeqSpan, Tiling, value_columns
+from ._plan import PrefixInputs, SeqSpan, Tiling, value_columns, wave_row_bytes
+from ._rows import ScoreRows
 from ._stage import stage_keys, stage_values
 
 __all__ = ["TiledRunner"]
-
-#: Test hook: called with ``("tiled", tile's first position, first key, end key, work dtype)``
-#: before each product and softmax (``tests/kernels/test_call_shapes.py`` attributes the
-#: calls it records).
-TRACE: Optional[Callable[[tuple], None]] = None
 
 
 class TiledRunner:
@@ -57,8 +46,8 @@ class TiledRunner:
         self.kv, self.group, self.d = inp.kv_heads, inp.group, inp.head_size
         self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
         self.device = inp.query.device
+        self.rows = ScoreRows(inp, til)
         self._bufs: Dict[str, torch.Tensor] = {}
-        self._masks: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
         #: (sequence, first row, end row, a float32 total per row: finite iff the row is)
         self.checks: List[Tuple[SeqSpan, int, int, torch.Tensor]] = []
         self.check = til.work != torch.float32
@@ -101,7 +90,8 @@ class TiledRunner:
         # The target and the position of its row 0.
         target, row0 = (out, base - seq.start) if dest is None else (dest, p0)
         elem = torch.empty((), dtype=self.til.work).element_size()
-        per_row = self.kv * self.group * ((self.d + 2 * self.cols) * elem + 4 * self.cols)
+        per_row = wave_row_bytes(self.kv * self.group, self.d, elem,
+                                 max(size for _, size in self.til.bands))
         for wave in waves(self.tiles(seq, p0, p1), self.til, per_row, self.budget // 4):
             self._wave(seq, wave, max(p0, wave[0].first),
                        min(p1, wave[-1].first + wave[-1].size), hidden, target, row0)
@@ -117,9 +107,9 @@ class TiledRunner:
         groups = range(min(t.g0 for t in wave), max(t.g1 for t in wave))
         if wave[0].spanning:
             out = self._spanning(seq, wave, q, res, o, groups, hidden)
-        else:  # every tile over one group: stage it, then each of its tiles' three calls
-            most = max(kv * t.size * g * t.keys for t in wave)
-            s, p = self._buf("s", most, til.work), self._buf("p", most, til.work)
+        else:  # every tile over one group: stage it, then each of its tiles' calls
+            s = self._buf("s", max(kv * t.size * g * t.keys for t in wave), til.work)
+            rows = self.rows
             for grp in groups:
                 members = [i for i, t in enumerate(wave) if t.g0 == grp]
                 if not members:
@@ -128,9 +118,10 @@ class TiledRunner:
                 for i in members:
                     t = wave[i]
                     row = s[:kv * t.size * g * t.keys].view(kv, t.size * g, t.keys)
-                    self._scores(t, q[i], keys, grp, row)
-                    probs = self._softmax(seq, t, row, p[:row.numel()].view(row.shape))
-                    self._values(t, probs, values, grp, res.tile(o, i))
+                    rows.scores(t, q[i], keys, grp, row)
+                    if rows.shifted:
+                        rows.scores(t, q[i], keys, grp, row, rows.row_max(seq, t, row))
+                    rows.values(t, rows.softmax(seq, t, row), values, grp, res.tile(o, i))
             out = o
         self._finish(seq, res, out, a, b, target, row0)
 
@@ -138,22 +129,29 @@ class TiledRunner:
                   o: torch.Tensor, groups: range, hidden: Optional[int]) -> torch.Tensor:
         """A wave of tiles over several key groups: every tile's score row is kept while K
         is staged group by group, then V; ``P.V`` per group added in group order (float32)."""
-        til, kv, g = self.til, self.kv, self.group
-        # One allocation per tile: each is freed once its probabilities exist.
-        rows = {i: torch.empty((kv, t.size * g, t.keys), dtype=til.work, device=self.device)
-                for i, t in enumerate(wave)}
-        for grp in groups:
-            keys, _ = self._stage(seq, wave, grp, hidden, values=False)
-            for i, t in enumerate(wave):
-                if t.g0 <= grp < t.g1:
-                    self._scores(t, q[i], keys, grp, rows[i])
-        probs = [self._softmax(seq, t, rows.pop(i)) for i, t in enumerate(wave)]
+        til, kv, g, ops = self.til, self.kv, self.group, self.rows
+        # One allocation per tile (its probabilities replace its scores in place); the score
+        # buffer of tiles over one group goes first: the rows take the whole score budget.
+        self._bufs.pop("s", None)
+        rows = [torch.empty((kv, t.size * g, t.keys), dtype=til.work, device=self.device)
+                for t in wave]
+        shifts: List[Optional[torch.Tensor]] = [None] * len(wave)
+        for shifted in (False, True) if ops.shifted else (False,):
+            if shifted:  # groups backwards: the last one's keys are still staged
+                shifts = [ops.row_max(seq, t, rows[i]) for i, t in enumerate(wave)]
+            for grp in reversed(groups) if shifted else groups:
+                staged = shifted and grp == groups[-1]
+                keys, _ = self._stage(seq, wave, grp, hidden, keys=not staged, values=False)
+                for i, t in enumerate(wave):
+                    if t.g0 <= grp < t.g1:
+                        ops.scores(t, q[i], keys, grp, rows[i], shifts[i])
+        probs = [ops.softmax(seq, t, rows[i]) for i, t in enumerate(wave)]
         acc = self._buf("acc", res.numel, torch.float32)
         for grp in groups:
             _, values = self._stage(seq, wave, grp, hidden, keys=False)
             for i, t in enumerate(wave):
                 if t.g0 <= grp < t.g1:
-                    self._values(t, probs[i], values, grp, res.tile(o, i))
+                    ops.values(t, probs[i], values, grp, res.tile(o, i))
             # Tiles whose first group this is take the product, later ones add it: both
             # sets are runs of consecutive tiles (ranges only grow along a wave).
             firsts = [i for i, t in enumerate(wave) if t.g0 == grp]
@@ -199,86 +197,6 @@ class TiledRunner:
         if not isinstance(inp.q_scale, float):
             q.mul_(inp.q_scale)
         return [lay.tile(q, i) for i in range(len(wave))]
-
-    def _scores(self, t: Tile, q: torch.Tensor, keys: torch.Tensor, grp: int,
-                row: torch.Tensor) -> None:
-        """``Q.K^T`` of tile ``t`` over its keys in group ``grp``, into their columns of the
-        tile's score row ``[kv, size * group, hi - lo]``."""
-        ks = self.til.group_keys
-        a, b = max(t.lo, grp * ks), min(t.hi, (grp + 1) * ks)
-        if TRACE is not None:
-            TRACE(("tiled", t.first, a, b, self.til.work))
-        alpha = self.inp.q_scale if isinstance(self.inp.q_scale, float) else 1.0
-        k = keys[:, a - grp * ks:b - grp * ks]
-        row[:, :, a - t.lo:b - t.lo].baddbmm_(q, k.transpose(1, 2), beta=0, alpha=alpha)
-
-    def _softmax(self, seq: SeqSpan, t: Tile, row: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Bias, masks and the softmax of a whole score row: its weights (into ``out``, a
-        buffer of the row's shape, when given: a CPU pays for every fresh allocation)."""
-        self._bias_and_mask(seq, t.first, t.lo, t.keys, t.size,
-                            row.view(self.kv, t.size, self.group, t.keys))
-        if TRACE is not None:
-            TRACE(("tiled", t.first, t.lo, t.hi, self.til.work))
-        if out is None:
-            return torch.softmax(row, dim=-1)
-        return torch.ops.aten._softmax.out(row, -1, False, out=out)
-
-    def _values(self, t: Tile, probs: torch.Tensor, values: torch.Tensor, grp: int,
-                o: torch.Tensor) -> None:
-        """``P.V`` of tile ``t`` over its keys in group ``grp`` into ``o``."""
-        ks = self.til.group_keys
-        a, b = max(t.lo, grp * ks), min(t.hi, (grp + 1) * ks)
-        if TRACE is not None:
-            TRACE(("tiled", t.first, a, b, self.til.work))
-        # float16: half the weighted sums (an exact power of two; the quotient is the
-        # same), so that weights rounded to a sum just over 1 cannot carry a mean of
-        # 65,504s past float16's range.
-        o.baddbmm_(probs[:, :, a - t.lo:b - t.lo], values[:, a - grp * ks:b - grp * ks],
-                   beta=0, alpha=0.5 if self.til.work == torch.float16 else 1.0)
-
-    def _bias_and_mask(self, seq: SeqSpan, first: int, a: int, n: int, tokens: int,
-                       s4: torch.Tensor) -> None:
-        """ALiBi (float32, rounded once into the scores) and the causal / window / padding
-        masks (-inf), for row ``r`` at position ``first + r`` and key ``a + j``; masks
-        only over the key columns that need one."""
-        inp = self.inp
-        device = s4.device
-        if not seq.causal:
-            if seq.new_keys < a + n:
-                s4[..., max(0, seq.new_keys - a):].fill_(-math.inf)
-            return
-        if inp.slopes is not None:
-            rel = torch.arange(a, a + n, device=device, dtype=torch.float32).view(1, n) - \
-                torch.arange(first, first + tokens, device=device,
-                             dtype=torch.float32).view(tokens, 1)
-            s4.addcmul_(inp.slopes.view(self.kv, 1, self.group, 1), rel.view(1, tokens, 1, n))
-        d0 = first - a  # key column of row 0's own position: hidden iff column - row > d0
-        start = max(0, d0 + 1)
-        if start < n:
-            hide = self._mask("triu", tokens, n - start, d0 + 1 - start)
-            s4[..., start:].masked_fill_(hide.view(1, tokens, 1, n - start), -math.inf)
-        if inp.window is not None:  # hidden iff column - row <= first - window - a
-            e0 = first - inp.window - a
-            stop = min(n, e0 + tokens)
-            if stop > 0:
-                hide = self._mask("tril", tokens, stop, e0)
-                s4[..., :stop].masked_fill_(hide.view(1, tokens, 1, stop), -math.inf)
-
-    def _mask(self, kind: str, rows: int, cols: int, diagonal: int) -> torch.Tensor:
-        """A boolean ``triu``/``tril`` mask.  A causal tile's is ``triu(size, size - 1, 0)``,
-        the top-left corner of one made once per call at the tiling's largest tile size;
-        window masks are made once per shape."""
-        key = (kind, rows, cols, diagonal)
-        if kind == "triu" and diagonal == 0:
-            top = max(size for _, size in self.til.bands)
-            key = (kind, max(rows, top), max(cols, top), 0)
-        hide = self._masks.get(key)
-        if hide is None:
-            hide = torch.ones(key[1:3], dtype=torch.bool, device=self.device)
-            hide = hide.triu_(diagonal) if kind == "triu" else hide.tril_(diagonal)
-            self._masks[key] = hide
-        return hide[:rows, :cols]
 
     def _finish(self, seq: SeqSpan, res: Layout, flat: torch.Tensor, a: int, b: int,
                 target: torch.Tensor, row0: int) -> None:

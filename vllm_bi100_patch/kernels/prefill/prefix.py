@@ -147,7 +147,9 @@ def paged_prefix(
         alibi_window(window, slopes is not None), slopes,
         k_mult=scale_factor(k_scale, "k_scale") if fp8 else None,
         v_mult=scale_factor(v_scale, "v_scale") if fp8 else None, fp8=fp8)
-    tables = block_tables.to(torch.int64)
+    # Block ids index the caches as they are (int32 or int64: no conversion op).
+    tables = block_tables if block_tables.dtype in (torch.int32, torch.int64) else \
+        block_tables.to(torch.int64)
     out = torch.empty_like(query)
     # Every sequence's rows are written; rows outside ``query_start_loc`` are zeros.
     if starts[0] > 0:
@@ -202,15 +204,14 @@ def _check_lengths(starts: List[int], contexts: List[int], totals: List[int], nu
 
 def _check_block_ids(block_tables: torch.Tensor, contexts: List[int], block_size: int,
                      num_blocks: int) -> None:
-    """Block ids a context uses must exist in the cache (CPU tensors: free to check)."""
+    """Block ids a context uses must exist in the cache (CPU tensors: read as lists, free to
+    check)."""
     for i, ctx in enumerate(contexts):
-        n = ceil_div(ctx, block_size)
-        if n == 0:
+        ids = block_tables[i, :ceil_div(ctx, block_size)].tolist()
+        if not ids:
             continue
-        ids = block_tables[i, :n]
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
-            col = int((ids == bad).nonzero()[0, 0])
-            raise ValueError(f"block_tables[{i}, {col}] = {bad} is out of range for a cache "
-                             f"of {num_blocks} blocks")
+            raise ValueError(f"block_tables[{i}, {ids.index(bad)}] = {bad} is out of range for "
+                             f"a cache of {num_blocks} blocks")
