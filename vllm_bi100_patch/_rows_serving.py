@@ -175,8 +175,8 @@ ROWS: Tuple[Patch, ...] = (
             "`vllm_bi100:tool_arguments_invalid_total`, the answer unchanged (as upstream "
             "serves strict tools); requests without a plan pass through untouched",
         vllm="0.6.3 (code checked against 0.6.3.post1 and the serving_chat.py of CoreX "
-             "3.2.3's vendored tree; proven on 0.6.3.post1's app, whose file the stand-in "
-             "keeps); not applied where the chat row is not, or is disabled",
+             "3.2.3's vendored tree; proven on 0.6.3.post1's app and on the stand-in's, which "
+             "has the vendor's file); not applied where the chat row is not, or is disabled",
         upstream="vLLM pull request #13483 (`required` through guided decoding, 0.8.3); "
                  "strict tools: accepted unchecked from 0.6.5 (#10463)",
         removal="with `chat_request_compat`"),

@@ -115,8 +115,10 @@ ROWS: Tuple[Patch, ...] = (
             "`hermes_tool_args` is installed, every delta is answered by its streaming "
             "instead); only where the method has the code shape it was checked against "
             "(0.6.3.post1's, and the vendored CoreX tree's, which logs with `logger.error`)",
-        vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
-                                   "--tool-call-parser hermes`)"),
+        vllm="0.6.3 (code checked against 0.6.3.post1 and the vendored CoreX 3.2.3 tree's "
+             "parser; driven through vLLM's own OpenAI server app (`--enable-auto-tool-choice "
+             "--tool-call-parser hermes`) on 0.6.3.post1 and on the stand-in, which keeps "
+             "0.6.3.post1's parser); not applied on other releases",
         upstream="vLLM pull request #10398 (\"Fix hermes tool parser output error stream "
                  "arguments in some cases\", `if current_tool_call is None: return None`), "
                  "in 0.6.5",
@@ -126,7 +128,7 @@ ROWS: Tuple[Patch, ...] = (
         SERVING_CHAT + ":OpenAIServingChat.chat_completion_stream_generator",
         "vllm_bi100_patch.patches.tool_stream:make_stream_wrapper",
         params="code:vllm_bi100_patch.patches.tool_stream:check_stream", when=_ON_063,
-        counters=("stream_finish_reason", "stream_cut_tool_call"),
+        counters=("stream_finish_reason", "stream_cut_tool_call", "stream_usage_summed"),
         why="a streamed chat completion skips an output the tool parser has nothing to send "
             "for before it looks at `finish_reason`: when that is the last output (a tool "
             "call cut short by `max_tokens`), the stream ends without any chunk carrying a "
@@ -136,10 +138,14 @@ ROWS: Tuple[Patch, ...] = (
             "every chunk) before the usage chunk and `[DONE]`, with the engine's "
             "`finish_reason` (`length` when cut, as the unstreamed answer says; `tool_calls` "
             "where calls were streamed and the model stopped); a stream ended by an error "
-            "chunk is left as it is; only where the method has the code shape it was checked "
-            "against",
-        vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
-                                   "--tool-call-parser hermes`)"),
+            "chunk is left as it is; on CoreX 3.2.3's file (0.6.2's usage code), where `n` > "
+            "1 the final usage chunk gets the sum of every choice's tokens, not the last "
+            "choice's; only where the method has one of the code shapes it was checked "
+            "against (0.6.3.post1's, the vendored CoreX tree's)",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
+             "`serving_chat.py`; driven through vLLM's own OpenAI server app "
+             "(`--enable-auto-tool-choice --tool-call-parser hermes`) on 0.6.3.post1 and on "
+             "the stand-in, which has the vendor's file); not applied on other releases",
         upstream="later vLLM sends the finish chunk with an empty delta (`if delta_message "
                  "is None: ... delta_message = DeltaMessage()` in "
                  "`vllm/entrypoints/openai/serving_chat.py`, e.g. at commit 003fe59); not in "

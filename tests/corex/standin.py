@@ -331,6 +331,19 @@ def _vendor_sequence(site: str) -> None:
                                path))
 
 
+def _vendor_serving_chat(site: str) -> None:
+    sys.path.insert(0, HERE)
+    try:
+        from vendor_serving_chat import EDITS
+    finally:
+        sys.path.remove(HERE)
+    path = os.path.join(site, "vllm", "entrypoints", "openai", "serving_chat.py")
+    text = _read(path)
+    for old, new in EDITS:
+        text = _replace_once(text, old, new, path)
+    _write(path, text)
+
+
 def _fake_xformers(site: str) -> None:
     dest = os.path.join(site, "xformers")
     shutil.rmtree(dest, ignore_errors=True)
@@ -391,6 +404,11 @@ DELTAS: List[Delta] = [
           "Sequence.get_output_token_ids_to_return without the num_new_tokens == 0 case "
           "(vLLM 0.6.2's method): a step without a new token returns every token id",
           "vllm/sequence.py", _vendor_sequence),
+    Delta("serving-chat-vendor", "vllm/entrypoints/openai/serving_chat.py",
+          "OpenAIServingChat with vLLM 0.6.2's streaming usage code (usage null on every chunk, "
+          "per-delta continuous counts, the final usage counting the last choice only), no "
+          "skip of empty chunked-prefill outputs, a beam-search assert, logger.error",
+          "vllm/entrypoints/openai/serving_chat.py", _vendor_serving_chat),
 ]
 
 

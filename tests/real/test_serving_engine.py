@@ -288,6 +288,22 @@ def test_streamed_hermes_tool_calls(runs):
         "stop"]
 
 
+def test_the_final_usage_counts_every_choice(runs):
+    """CoreX 3.2.3's serving_chat.py (vLLM 0.6.2's usage code) counts the last choice's tokens
+    in a stream's final usage; 0.6.3.post1 sums every choice, and so does the shim on both."""
+    app, stock = runs["app"], runs["app_stock"]
+    for run in (app, stock):
+        for n in (1, 2):
+            got = run[f"n{n}_usage"]
+            assert got["status"] == 200 and got["finish"] == ["stop"] * n, got
+            assert sorted(got["content"]) == sorted("hello world" * n)  # interleaved
+    one = app["n1_usage"]["usage"][-1]["completion_tokens"]
+    assert one > 0 and app["n2_usage"]["usage"][-1]["completion_tokens"] == 2 * one
+    vendor = "corex" in INSTALLED
+    assert stock["n2_usage"]["usage"][-1]["completion_tokens"] == (one if vendor else 2 * one)
+    assert app["status"]["counts"].get("stream_usage_summed", 0) == (1 if vendor else 0)
+
+
 def test_doctor_says_which_guided_backend_works(runs):
     section = runs["doctor"].split("\nguided decoding\n")[1].split("\n", 8)
     text = "\n".join(section)

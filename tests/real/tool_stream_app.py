@@ -114,8 +114,8 @@ def client_class():
                 delta = params.output_kind.name == "DELTA"
                 await asyncio.sleep(0)
                 yield RequestOutput(request_id, None, ids, None, [CompletionOutput(
-                    0, text if delta else done_text, tids if delta else list(done_ids),
-                    None, None, reason if last else None)], last)
+                    i, text if delta else done_text, tids if delta else list(done_ids),
+                    None, None, reason if last else None) for i in range(params.n)], last)
 
         async def abort(self, request_id):
             return None
@@ -244,6 +244,10 @@ def cases(port):
                              "stream_options": {"include_usage": True,
                                                 "continuous_usage_stats": True}})
     report(case="cut_in_name_usage", **summary(code, body))
+    for n in (1, 2):  # the final usage chunk counts every choice's tokens
+        code, body = post(port, {"messages": user("text"), "n": n, "stream": True,
+                                 "stream_options": {"include_usage": True}})
+        report(case=f"n{n}_usage", **summary(code, body))
     for stream in (True, False):
         code, body = post(port, {"messages": user("text"), "n": 5, "stream": stream})
         report(case=f"n5{'_stream' if stream else ''}", status=code,

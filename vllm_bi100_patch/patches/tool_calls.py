@@ -46,8 +46,7 @@ REQUIRED = counter("tool_choice_required")
 SHAPE_OF = ("create_chat_completion", "chat_completion_full_generator",
             "chat_completion_stream_generator")
 KNOWN: Dict[str, str] = {
-    "d00edc163dd53656-1fa5c91dcc2ff517-0f98633082c2606b":
-        "vLLM 0.6.3.post1 (the CoreX 3.2.3 stand-in keeps this file)",
+    "d00edc163dd53656-1fa5c91dcc2ff517-0f98633082c2606b": "vLLM 0.6.3.post1",
     # Read in Iluvatar's vendored tree (wudixzy/competition at 5a1c8c79,
     # vllm/entrypoints/openai/serving_chat.py): 0.6.3's answer paths for tool_choice "none"
     # (text as content, content deltas), with a beam-search assert and per-chunk usage code

@@ -24,7 +24,9 @@ Catalogue entries: rows ``hermes_tool_start`` and ``stream_finish_reason`` of
   DeltaMessage()``).  Its ``finish_reason``: the engine's (``"length"`` when cut, as the
   unstreamed answer of the same output says), ``"tool_calls"`` where tool-call deltas were
   streamed and the engine stopped on its own (0.6.3's rule).  A stream that ended with an
-  error chunk is left as it is.
+  error chunk is left as it is.  On CoreX 3.2.3's vendored file (vLLM 0.6.2's usage code) the
+  final usage chunk counts the last choice's tokens only; with ``n`` > 1 the wrapper writes the
+  sum of every choice's tokens there, as 0.6.3.post1 counts.
 
 Never imports vLLM.
 """
@@ -44,6 +46,7 @@ from ._common import ArgReader, Wrapper, counter
 STARTS = counter("hermes_tool_start")
 FINISHES = counter("stream_finish_reason")
 CUT = counter("stream_cut_tool_call")
+USAGE = counter("stream_usage_summed")
 
 PARSER_PARAMS = ("self", "previous_text", "current_text", "delta_text", "previous_token_ids",
                  "current_token_ids", "delta_token_ids", "request")
@@ -57,7 +60,12 @@ PARSER_KNOWN: Dict[str, str] = {
 STREAM_PARAMS = ("self", "request", "result_generator", "request_id", "conversation",
                  "tokenizer", "request_metadata")
 STREAM_KNOWN: Dict[str, str] = {
-    "0f98633082c2606b": "vLLM 0.6.3.post1; CoreX 3.2.3's vendored tree",
+    "0f98633082c2606b": "vLLM 0.6.3.post1",
+    # Iluvatar's vendored tree (wudixzy/competition at 5a1c8c79,
+    # vllm/entrypoints/openai/serving_chat.py): vLLM 0.6.2's usage code (per chunk, the final
+    # usage counting the last choice only), no skip of empty chunked-prefill outputs; the same
+    # `if delta_message is None: continue` before the finish check, the same chunks.
+    "b95781b586b13715": "CoreX 3.2.3's vendored tree",
 }
 
 
@@ -119,6 +127,8 @@ class _Watch:
                 self.prompt_tokens = len(res.prompt_token_ids) + len(
                     res.encoder_prompt_token_ids or ())
             for out in res.outputs:
+                if out.index in self.finished:
+                    continue  # the generator skips a finished choice's outputs too
                 self.tokens[out.index] = self.tokens.get(out.index, 0) + len(out.token_ids)
                 if out.finish_reason is not None:
                     self.finished[out.index] = (out.finish_reason, out.stop_reason)
@@ -196,6 +206,24 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
                          "stream_finish_reason)", chunk.get("id"), index)
         return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if changed else data
 
+    def summed_usage(watch: _Watch, data: str) -> str:
+        """The final usage chunk with every choice's tokens: CoreX 3.2.3's generator (vLLM
+        0.6.2's code) counts the last choice's only (``previous_num_tokens[i]``)."""
+        if len(watch.tokens) < 2:
+            return data
+        chunk = json.loads(data[len("data: "):])
+        usage = chunk.get("usage")
+        total = sum(watch.tokens.values())
+        if not isinstance(usage, dict) or usage.get("completion_tokens") in (None, total):
+            return data
+        log.info("vllm-bi100-patch: the final usage of %s counted %s completion tokens of %d "
+                 "choices; sent their sum, %d (row stream_finish_reason)", chunk.get("id"),
+                 usage.get("completion_tokens"), len(watch.tokens), total)
+        usage["completion_tokens"] = total
+        usage["total_tokens"] = (usage.get("prompt_tokens") or 0) + total
+        USAGE.add()
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
     def chat_completion_stream_generator(wrapped: Callable[..., Any], instance: Any,
                                          args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         values = reader.read(args, kwargs)
@@ -205,11 +233,13 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
 
         async def stream() -> AsyncIterator[str]:
             async for data in wrapped(*values):
-                if data.startswith("data: [DONE]") or data.startswith('data: {"id"') and \
-                        '"choices":[]' in data:
+                usage = data.startswith('data: {"id"') and '"choices":[]' in data
+                if usage or data.startswith("data: [DONE]"):
                     extra = finish_chunks(watch, request)
                     if extra:
                         yield extra
+                    if usage:
+                        data = summed_usage(watch, data)
                 elif '"finish_reason":"tool_calls"' in data:
                     data = cut_calls(watch, data)
                 watch.read(data)
