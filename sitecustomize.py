@@ -48,10 +48,10 @@ def _activate():
     except Exception:  # never break interpreter start
         pass
     try:
-        from vllm_bi100_patch import _bootstrap
+        from vllm_bi100_patch.activation import bootstrap
     except Exception:  # package half-installed or removed: stay out of the way
         return
-    _bootstrap.bootstrap("sitecustomize")
+    bootstrap.bootstrap("sitecustomize")
 
 
 _activate()

@@ -34,7 +34,7 @@ if os.environ.get("BENCH_CPU"):
     os.sched_setaffinity(0, {int(os.environ["BENCH_CPU"])})
 import torch
 torch.set_num_threads(1)
-from vllm_bi100_patch import hardware
+from vllm_bi100_patch.patching import hardware
 hardware.ixformer_present = lambda: True  # take the fake ops as native kernels
 import vllm._custom_ops as ops
 ops._ref = lambda *a: None                 # the kernel does nothing: time the wrapper path
@@ -42,7 +42,7 @@ ops.CALLS = collections.deque(maxlen=1)
 import vllm_bi100_patch as shim
 shim.apply()
 import vllm.attention.ops.paged_attn as pa
-from vllm_bi100_patch import registry
+from vllm_bi100_patch.patching import registry
 assert registry.is_ours(vars(pa.PagedAttention)["forward_decode"])
 kc = torch.zeros(4, 2, 16, 16, 4); vc = torch.zeros(4, 2, 64, 16)
 bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)

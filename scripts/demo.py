@@ -107,7 +107,7 @@ ATTENTION = ("forward_decode", "forward_prefix")
 
 def unpatched(pa: Any) -> List[str]:
     """The methods of ``ATTENTION`` whose class attribute is not the shim's wrapper."""
-    from vllm_bi100_patch import registry
+    from vllm_bi100_patch.patching import registry
 
     return [name for name in ATTENTION
             if not registry.is_ours(vars(pa.PagedAttention).get(name))]
@@ -116,7 +116,7 @@ def unpatched(pa: Any) -> List[str]:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     import vllm_bi100_patch as shim
-    from vllm_bi100_patch import versions
+    from vllm_bi100_patch.patching import versions
 
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
@@ -140,7 +140,7 @@ def main() -> int:
           "has no Triton and never imports it, so this line alone proves nothing)")
     # The proof: ask for vLLM's Triton module the way vLLM does. Without the shim this loads
     # the real module (whose kernel hangs a BI-V100); with it, the refusing substitute.
-    from vllm_bi100_patch import import_guard
+    from vllm_bi100_patch.attention import import_guard
 
     pp = importlib.import_module("vllm.attention.ops.prefix_prefill")
     try:

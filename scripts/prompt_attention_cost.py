@@ -38,9 +38,9 @@ import torch  # noqa: E402
 from xformers.ops import fmha  # noqa: E402  (the tests' CPU stand-in)
 
 from tools.account import DEVICES, Account, predict  # noqa: E402
-from vllm_bi100_patch.kernels import _common  # noqa: E402
-from vllm_bi100_patch.kernels.prefill import dense  # noqa: E402
-from vllm_bi100_patch.kernels.prefill import prefix  # noqa: E402
+from vllm_bi100_patch.attention.kernels import _common  # noqa: E402
+from vllm_bi100_patch.attention.kernels.prefill import dense  # noqa: E402
+from vllm_bi100_patch.attention.kernels.prefill import prefix  # noqa: E402
 
 try:  # CPU half-precision GEMMs in float32 for a fast account (same counts), where it exists
     from tools.account import HalfGemmsInFloat as _fast_gemms  # type: ignore[attr-defined]

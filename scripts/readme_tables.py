@@ -7,7 +7,7 @@ the environment variables (docs/operating.md) and the metrics' series
     python scripts/readme_tables.py          # rewrite those files in place
     python scripts/readme_tables.py --check  # exit 1 if one of them is out of date
 
-The versions table comes from the registry's families (vllm_bi100_patch.versions) and the
+The versions table comes from the registry's families (vllm_bi100_patch.patching.versions) and the
 release lines that noxfile.py tests for real (read with ast, so nox need not be installed).
 """
 
@@ -21,7 +21,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vllm_bi100_patch import config, metrics, table, versions  # noqa: E402
+from vllm_bi100_patch.activation import config  # noqa: E402
+from vllm_bi100_patch.patching.counting import metrics  # noqa: E402
+from vllm_bi100_patch.patching import table, versions  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 

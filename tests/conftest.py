@@ -21,10 +21,12 @@ def reset_shim_state() -> None:
     ``_installed``/``_originals``, warnings already given, or an armed bootstrap."""
     import logging
 
-    from vllm_bi100_patch import _bootstrap, import_guard, registry, strict
+    from vllm_bi100_patch.activation import bootstrap
+    from vllm_bi100_patch.attention import import_guard
+    from vllm_bi100_patch.patching import registry, strict
 
-    with _bootstrap._lock:
-        _bootstrap.deactivate()
+    with bootstrap._lock:
+        bootstrap.deactivate()
         with registry._lock:
             registry.revert_all()
             registry._originals.clear()
@@ -32,15 +34,15 @@ def reset_shim_state() -> None:
             strict._warned.clear()
             registry._last_report = registry.Report()
             registry._module_reports.clear()
-        _bootstrap._finder.hooks.clear()
-        _bootstrap._finder.before.clear()
-        _bootstrap.reset()
+        bootstrap._finder.hooks.clear()
+        bootstrap._finder.before.clear()
+        bootstrap.reset()
         import_guard.uninstall()
-    if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
-        sys.modules["vllm_bi100_patch.patches.paged_attention"].reset_call_counts()
-    if "vllm_bi100_patch.metrics_export" in sys.modules:
-        sys.modules["vllm_bi100_patch.metrics_export"].stop()
-        sys.modules["vllm_bi100_patch.metrics_export"].suppressed = False
+    if "vllm_bi100_patch.attention.paged_attention" in sys.modules:
+        sys.modules["vllm_bi100_patch.attention.paged_attention"].reset_call_counts()
+    if "vllm_bi100_patch.patching.counting.export" in sys.modules:
+        sys.modules["vllm_bi100_patch.patching.counting.export"].stop()
+        sys.modules["vllm_bi100_patch.patching.counting.export"].suppressed = False
     logging.getLogger("vllm.bi100_patch").setLevel(logging.NOTSET)
 
 

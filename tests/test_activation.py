@@ -76,8 +76,8 @@ def test_ordering_matrix(fake_root, order):
         pa = sys.modules.get("{PA}")
         state = patched() if pa else {{}}
         if pa:
-            import vllm_bi100_patch.registry as r
-            from vllm_bi100_patch import import_guard
+            import vllm_bi100_patch.patching.registry as r
+            from vllm_bi100_patch.attention import import_guard
             fn = vars(pa).get("context_attention_fwd")
             state["binding"] = (None if fn is None else "substitute"
                                 if fn is import_guard.context_attention_fwd else "real")
@@ -147,7 +147,7 @@ def test_kill_switch_gives_stock_vllm(shim_venv, fake_root):
     assert result["prefix"] == "real"
     assert not any("vllm_bi100_patch" in f for f in result["finders"])
     assert not result["status"]["active"] and "kill switch" in result["status"]["decision"]
-    assert "vllm_bi100_patch.registry" not in result["loaded"]
+    assert "vllm_bi100_patch.patching.registry" not in result["loaded"]
 
 
 def test_auto_mode_needs_iluvatar(shim_venv, fake_root, tmp_path):
@@ -171,7 +171,7 @@ def test_spawned_and_forked_children_are_patched(shim_venv, fake_root):
         import multiprocessing as mp
         def child(q):
             import vllm.attention.ops.paged_attn
-            import vllm_bi100_patch.registry as r
+            import vllm_bi100_patch.patching.registry as r
             from vllm.attention.ops.paged_attn import PagedAttention
             q.put(r.is_ours(vars(PagedAttention)["forward_decode"]))
         if __name__ == "__main__":
@@ -250,7 +250,7 @@ def test_plugin_entry_point(shim_venv, fake_root):
     env = _venv_env(fake_root)
     env["PYTHONPATH"] += os.pathsep.join(["", venv_site_packages(shim_venv), TEST_DEPS_SITE])
     result = reports(run_python(code, python=shim_venv, env=env, args=("-S",)))[0]
-    assert result["n"] == 1 and result["value"] == "vllm_bi100_patch._bootstrap:plugin"
+    assert result["n"] == 1 and result["value"] == "vllm_bi100_patch.activation.bootstrap:plugin"
     assert result["patched"]["forward_decode"] is True and result["by"] == ["plugin"]
 
 
@@ -346,7 +346,7 @@ def test_strict_mode_fails_the_vllm_process_once_and_leaves_others_alone(shim_ve
     assert server.returncode != 0 and "started" not in server.stdout
     assert server.stderr.count("Traceback") == 1, server.stderr
     last = server.stderr.strip().splitlines()[-1]
-    assert last.startswith("vllm_bi100_patch.config.ConfigError: "
+    assert last.startswith("vllm_bi100_patch.activation.config.ConfigError: "
                            "VLLM_BI100_PREFIX_BUDGET_MB='lots' is invalid"), last
     assert "VLLM_BI100_PATCH_STRICT=1" in last
     # strict with a valid configuration: the server starts, patched

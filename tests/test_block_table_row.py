@@ -13,9 +13,10 @@ import types
 import pytest
 import torch
 
-from vllm_bi100_patch import config, registry, table
-from vllm_bi100_patch.patches import block_tables
-from vllm_bi100_patch.patches import paged_attention
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import code_shapes, registry, table
+from vllm_bi100_patch.engine import block_tables
+from vllm_bi100_patch.attention import paged_attention
 
 ON = config.load({config.MODE: "1"})
 ROW = "prefix_block_table"
@@ -32,7 +33,7 @@ def utils_module(fake_vllm_factory, monkeypatch):
         module = importlib.import_module(UTILS)
         if known and kind == "bug":
             method = vars(module.CommonMetadataBuilder)["_add_seq_group"]
-            monkeypatch.setitem(block_tables.KNOWN, block_tables.fingerprint(method), "fake")
+            monkeypatch.setitem(block_tables.KNOWN, code_shapes.fingerprint(method), "fake")
         return module
 
     return load
@@ -148,13 +149,13 @@ def test_reports_of_two_modules_merge(fake_vllm_factory):
     fake_vllm_factory("0.6.3.post1", metadata_builder="bug")
     utils = importlib.import_module(UTILS)
     method = vars(utils.CommonMetadataBuilder)["_add_seq_group"]
-    block_tables.KNOWN[block_tables.fingerprint(method)] = "fake"
+    block_tables.KNOWN[code_shapes.fingerprint(method)] = "fake"
     try:
         pa = importlib.import_module(table.PAGED_ATTN)
         registry.apply_to(pa, ON)
         registry.apply_to(utils, ON)
     finally:
-        del block_tables.KNOWN[block_tables.fingerprint(method)]
+        del block_tables.KNOWN[code_shapes.fingerprint(method)]
     merged = registry.last_report()
     assert merged.applied == ["decode", "prefix", ROW] and merged.reason is None
     assert set(registry.patched_attributes()) == {"forward_decode", "forward_prefix",
@@ -162,7 +163,7 @@ def test_reports_of_two_modules_merge(fake_vllm_factory):
 
 
 def test_the_kernel_names_the_cause_of_a_short_table():
-    from vllm_bi100_patch.kernels import paged_prefix
+    from vllm_bi100_patch.attention.kernels import paged_prefix
 
     kc = torch.zeros(4, 2, 16, 16, 4)
     vc = torch.zeros(4, 2, 64, 16)

@@ -14,9 +14,11 @@ import torch
 from helpers.reference import paged_batch, ref_decode
 
 import vllm_bi100_patch as shim
-from vllm_bi100_patch import _bootstrap, config, hardware, import_guard, registry
-from vllm_bi100_patch.native import decoder as dispatch
-from vllm_bi100_patch.patches import paged_attention
+from vllm_bi100_patch.activation import bootstrap, config
+from vllm_bi100_patch.patching import hardware, registry
+from vllm_bi100_patch.attention import import_guard
+from vllm_bi100_patch.attention.native import decoder as dispatch
+from vllm_bi100_patch.attention import paged_attention
 
 PA = "vllm.attention.ops.paged_attn"
 HEADS, KV_HEADS, D, BS = 4, 2, 64, 16
@@ -44,7 +46,7 @@ def server(fake_vllm_factory, env, monkeypatch):
         fake_vllm_factory(version)
         env(VLLM_BI100_PATCH="1", **variables)
         monkeypatch.setattr(hardware, "ixformer_present", lambda: True)
-        _bootstrap.bootstrap("sitecustomize")
+        bootstrap.bootstrap("sitecustomize")
         return importlib.import_module(PA)
 
     return start
@@ -165,7 +167,7 @@ def test_apply_strict_raises_on_an_unsupported_version(fake_vllm_factory, env):
 
 
 def test_apply_strict_raises_on_a_failed_code_check(paged_attn_module, env):
-    from vllm_bi100_patch import versions
+    from vllm_bi100_patch.patching import versions
 
     fam = versions.family_for(versions.VersionInfo("0.6.3"))
     renamed = tuple("seqlens" if p == "seq_lens" else p for p in fam.decode_params)
@@ -187,8 +189,8 @@ def test_apply_strict_raises_on_an_invalid_variable(fake_vllm_factory, env):
 def test_strict_environment_fails_the_vllm_import_not_the_start(fake_vllm_factory, env):
     fake_vllm_factory("0.6.3.post1")
     env(VLLM_BI100_PATCH="1", VLLM_BI100_PATCH_STRICT="1", VLLM_BI100_SM_COUNT="many")
-    _bootstrap.bootstrap("sitecustomize")  # interpreter start: never raises
-    _bootstrap.bootstrap("pth")
+    bootstrap.bootstrap("sitecustomize")  # interpreter start: never raises
+    bootstrap.bootstrap("pth")
     for _ in range(2):  # every attempt to import vLLM fails, with the same one message
         with pytest.raises(config.ConfigError, match="VLLM_BI100_PATCH_STRICT=1"):
             importlib.import_module("vllm")
@@ -198,7 +200,7 @@ def test_strict_environment_fails_the_vllm_import_not_the_start(fake_vllm_factor
 
 def test_failed_code_check_keeps_the_guard_on_purpose_and_says_so(fake_vllm_factory, env,
                                                                   caplog):
-    from vllm_bi100_patch import versions
+    from vllm_bi100_patch.patching import versions
 
     fam = versions.family_for(versions.VersionInfo("0.6.3"))
     renamed = tuple("seqlens" if p == "seq_lens" else p for p in fam.decode_params)
@@ -219,7 +221,7 @@ def test_failed_code_check_keeps_the_guard_on_purpose_and_says_so(fake_vllm_fact
 
 
 def test_failed_code_check_without_the_guard_says_stock_vllm_runs(fake_vllm_factory, env):
-    from vllm_bi100_patch import versions
+    from vllm_bi100_patch.patching import versions
 
     fam = versions.family_for(versions.VersionInfo("0.6.3"))
     renamed = tuple("seqlens" if p == "seq_lens" else p for p in fam.decode_params)
@@ -307,13 +309,13 @@ def test_corex_torch_is_detected_and_auto_mode_arms(fake_vllm_factory, env, tmp_
     fake_vllm_factory("0.6.3.post1")
     env(VLLM_BI100_PATCH="auto")
     assert hardware.torch_is_corex() is False
-    _bootstrap.activate("sitecustomize")
-    assert _bootstrap.state()["decision"].startswith("off: VLLM_BI100_PATCH=auto and no Iluvatar")
+    bootstrap.activate("sitecustomize")
+    assert bootstrap.state()["decision"].startswith("off: VLLM_BI100_PATCH=auto and no Iluvatar")
     (tmp_path / "torch-2.1.0+corex.3.2.3.dist-info").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     assert hardware.torch_is_corex() is True
     assert hardware.cheap_detection() == {"ixformer": False, "torch_corex": True}
-    _bootstrap.activate("sitecustomize")
+    bootstrap.activate("sitecustomize")
     pa = importlib.import_module(PA)
     assert registry.is_ours(vars(pa.PagedAttention)["forward_decode"])
 

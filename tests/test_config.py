@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_bi100_patch import config
+from vllm_bi100_patch.activation import config
 
 
 def test_defaults():

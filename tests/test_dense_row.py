@@ -12,8 +12,9 @@ import types
 import pytest
 import torch
 
-from vllm_bi100_patch import config, registry, table
-from vllm_bi100_patch.kernels.prefill import dense
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import registry, table
+from vllm_bi100_patch.attention.kernels.prefill import dense
 
 BACKEND = '''
 import sys

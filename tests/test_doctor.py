@@ -13,7 +13,8 @@ import pytest
 from fakes.fake_vllm import write_fake_vllm
 from helpers.shim import ROOT
 
-from vllm_bi100_patch import __version__, versions
+from vllm_bi100_patch import __version__
+from vllm_bi100_patch.patching import versions
 
 FAM = versions.family_for(versions.VersionInfo("0.6.3"))
 
@@ -268,7 +269,7 @@ def test_doctor_advises_the_ixformer_ipc_all_reduce_on_the_vendor_stack_only(fak
 
 
 def test_the_ipc_hint_is_advice_and_reads_only_the_environment():
-    from vllm_bi100_patch import advice
+    from vllm_bi100_patch.ops import advice
 
     assert advice.ipc_hint(vendor=False, environ={}) is None
     assert advice.ipc_hint(vendor=True, environ={"ENABLE_CUSTOM_IPC": ""}) is None

@@ -14,9 +14,10 @@ import types
 import pytest
 import torch
 
-from vllm_bi100_patch import config, registry, table
-from vllm_bi100_patch.patches import (block_tables, logits_gather, mrope_positions,
-                                      paged_attention, stream_delta)
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import code_shapes, registry, table
+from vllm_bi100_patch.engine import logits_gather, mrope_positions, stream_delta
+from vllm_bi100_patch.attention import paged_attention
 
 ON = config.load({config.MODE: "1"})
 
@@ -156,7 +157,7 @@ def fake(fake_vllm_factory, monkeypatch):
         importlib.invalidate_caches()
         module = importlib.import_module(name)
         if known and kind == "vendor":
-            shape = block_tables.fingerprint(vars(vars(module)[owner])[attr])
+            shape = code_shapes.fingerprint(vars(vars(module)[owner])[attr])
             monkeypatch.setitem(row_module.KNOWN, shape, "fake")
         return module
 

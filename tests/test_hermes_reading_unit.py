@@ -12,7 +12,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_bi100_patch.patches.hermes_reading import END, START, Stream
+from vllm_bi100_patch.serving.hermes_reading import END, START, Stream
 
 TEXT = st.text(st.sampled_from(list('ab Z09"\\{}[]:,</>\n\té\u4e2d\U0001f600')), max_size=8)
 VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**9, 10**9)
@@ -122,8 +122,8 @@ def test_the_parsers_state_and_the_finishing_chunk():
     the finishing check answers False for its deltas only."""
     import types
 
-    from vllm_bi100_patch import config
-    from vllm_bi100_patch.patches import hermes_args
+    from vllm_bi100_patch.activation import config
+    from vllm_bi100_patch.serving import hermes_args
 
     module = types.SimpleNamespace(DeltaMessage=_Delta)
     parser = _Parser()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from vllm_bi100_patch import import_guard
+from vllm_bi100_patch.attention import import_guard
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import importlib
 import pytest
 
 import vllm_bi100_patch
-from vllm_bi100_patch import config, invariance
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.ops import invariance
 
 DISABLED = "disabled by " + config.DISABLE
 

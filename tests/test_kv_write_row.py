@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from vllm_bi100_patch import config
-from vllm_bi100_patch.patches import kv_write
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.attention import kv_write
 
 HEAD = ("def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,"
         " k_scale, v_scale):\n")

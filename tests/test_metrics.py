@@ -17,10 +17,13 @@ from helpers.probes import reports
 from helpers.shim import ROOT, run_python
 
 from fakes.fake_vllm import write_fake_vllm
-from vllm_bi100_patch import config, doctor, metrics, metrics_export, registry, versions
-from vllm_bi100_patch import native
-from vllm_bi100_patch.native import Routing, routes
-from vllm_bi100_patch.patches import paged_attention
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.ops import doctor
+from vllm_bi100_patch.patching.counting import metrics, export
+from vllm_bi100_patch.patching import registry, versions
+from vllm_bi100_patch.attention import native
+from vllm_bi100_patch.attention.native import Routing, routes
+from vllm_bi100_patch.attention import paged_attention
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
@@ -105,8 +108,8 @@ def test_every_counter_a_row_declares_is_on_metrics():
     """The counters come from the one registry (``counters.snapshot()``): a row's counter
     without a series of its own (the engine rows' tp_empty_logits, stream_delta,
     mrope_positions) is exported as ``calls_total{counter=...}``."""
-    from vllm_bi100_patch import table
-    from vllm_bi100_patch.patches import _common
+    from vllm_bi100_patch.patching import table
+    from vllm_bi100_patch.patching import factories
 
     declared = {name for row in table.PATCHES for name in row.counters}
     assert {"tp_empty_logits", "stream_delta", "mrope_positions"} <= set(metrics.GENERIC_COUNTS)
@@ -114,7 +117,7 @@ def test_every_counter_a_row_declares_is_on_metrics():
     assert declared == (set(metrics.NAMED_COUNTS) - routes | set(metrics.TOLD_ELSEWHERE)
                         | set(metrics.GENERIC_COUNTS))
     for name in sorted(declared):
-        _common.counter(name).add(3)
+        factories.counter(name).add(3)
     fams = {f[0]: f[3] for f in metrics.families(metrics.snapshot(), None)}
     for name in metrics.GENERIC_COUNTS:
         assert ("vllm_bi100:calls_total", (("counter", name),), 3) in fams["vllm_bi100:calls"]
@@ -206,7 +209,7 @@ def test_interval_zero_leaves_the_decode_path_without_an_observer(paged_attn_mod
 
 def test_files_hold_the_counts_and_old_info_is_zeroed(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    exporter = metrics_export.Exporter(5)
+    exporter = export.Exporter(5)
     exporter.info = {"shim_version": "1", "vllm_version": "v", "family": "f", "rows": "decode"}
     metrics.TALLY.decode("native_v2", "occupancy_v2", 40000)
     metrics.TALLY.refused("prefix", ValueError("x"))
@@ -234,7 +237,7 @@ def test_a_recreated_emptied_or_other_directory_gets_every_series_again(tmp_path
     first = tmp_path / "prom"
     first.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(first))
-    exporter = metrics_export.Exporter(5)
+    exporter = export.Exporter(5)
     exporter.info = {"shim_version": "1", "vllm_version": "v", "family": "f", "rows": "decode"}
     metrics.TALLY.decode("native_v1", "fits_v1", 100)
     exporter.tick()
@@ -256,14 +259,14 @@ def test_a_recreated_emptied_or_other_directory_gets_every_series_again(tmp_path
     assert total(got, "vllm_bi100:decode_route_reasons_total", route="native_v1") == 1
     assert total(got, "vllm_bi100:info", rows="decode") == 1
     assert exporter.mode == "files" and exporter.reopened == 1 and exporter.last_error is None
-    assert metrics_export.state.__doc__  # status() reads the same fields (test_status_edges)
+    assert export.state.__doc__  # status() reads the same fields (test_status_edges)
     assert exporter.directory == str(now)
     assert "writing every series again" in caplog.text
 
 
 def test_a_failing_flush_is_reported_until_one_succeeds(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    exporter = metrics_export.Exporter(5)
+    exporter = export.Exporter(5)
     real = metrics.families
 
     def broken(*args):
@@ -283,16 +286,16 @@ def test_a_process_where_no_row_applied_exports_nothing_until_one_does():
     from types import SimpleNamespace
 
     report = SimpleNamespace(vllm_version="0.6.3.post1", family="v0.5.5", applied=[])
-    metrics_export.start(1, report)
-    assert metrics_export.exporter() is None and metrics_export.state()["export"] == "not started"
-    metrics_export.start(1, SimpleNamespace(**dict(vars(report), applied=["stream_delta"])))
-    assert metrics_export.exporter() is not None
-    assert metrics_export.exporter().info["rows"] == "stream_delta"
+    export.start(1, report)
+    assert export.exporter() is None and export.state()["export"] == "not started"
+    export.start(1, SimpleNamespace(**dict(vars(report), applied=["stream_delta"])))
+    assert export.exporter() is not None
+    assert export.exporter().info["rows"] == "stream_delta"
 
 
 def test_a_directory_that_does_not_exist_is_not_created(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
-    exporter = metrics_export.Exporter(5)
+    exporter = export.Exporter(5)
     exporter.tick()
     assert exporter.mode == "no directory" and not (tmp_path / "missing").exists()
 
@@ -367,10 +370,10 @@ def test_processes_add_up_forked_children_count_from_zero_and_exits_flush(tmp_pa
 def test_without_a_directory_nothing_is_written_until_a_registry_is_in_use(tmp_path):
     code = WORK + """
     import vllm_bi100_patch as shim
-    from vllm_bi100_patch import metrics_export
+    from vllm_bi100_patch.patching.counting import export
     shim.apply()
     work(2)
-    e = metrics_export.exporter()
+    e = export.exporter()
     e.tick()
     before = dict(mode=e.mode, imported="prometheus_client" in sys.modules)
     import prometheus_client
@@ -402,7 +405,7 @@ def test_kill_switch_and_interval_zero_export_nothing(tmp_path, extra):
         import vllm.attention.ops.paged_attn
         import prometheus_client
         report(threads=[t.name for t in threading.enumerate()], status=shim.status(),
-               loaded="vllm_bi100_patch.metrics_export" in sys.modules)
+               loaded="vllm_bi100_patch.patching.counting.export" in sys.modules)
     """)
     out = reports(run_python(code, env=_env(_fake(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(prom),
                                             **extra)))[0]
@@ -445,7 +448,7 @@ def test_doctor_warns_of_a_directory_it_cannot_write(tmp_path, monkeypatch):
 
 def test_doctor_exports_nothing_itself_and_has_a_metrics_section():
     sections, _ = doctor.doctor_sections()
-    assert metrics_export.suppressed and metrics_export.state() == {"export": "off"}
+    assert export.suppressed and export.state() == {"export": "off"}
     assert "metrics (vLLM's /metrics)" in [s.title for s in sections]
 
 

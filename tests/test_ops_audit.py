@@ -10,8 +10,9 @@ import types
 
 import pytest
 
-from vllm_bi100_patch import ops_audit
-from vllm_bi100_patch.patches import kv_blocks
+from vllm_bi100_patch.ops import audit
+from vllm_bi100_patch.patching.missing_calls import missing_calls
+from vllm_bi100_patch.attention import kv_blocks
 
 OPS = '''
 import fake_lib as lib
@@ -59,7 +60,7 @@ def ops(tmp_path, monkeypatch):
 
 
 def test_lists_every_broken_function_once_with_what_it_calls(ops):
-    assert ops_audit.broken_ops(ops) == {
+    assert audit.broken_ops(ops) == {
         "swap_blocks": ["fake_lib.swap_blocks"],
         "topk_softmax": ["fake_lib.vllm_moe_topk_softmax"],
         "strange": ["fake_lib.not_there", "fake_lib.also_missing"]}
@@ -69,7 +70,7 @@ def test_lists_every_broken_function_once_with_what_it_calls(ops):
 
 def test_a_replaced_function_is_ok_the_rest_fail_naming_the_feature(ops):
     checks = {name: (state, detail) for state, name, detail in
-              ops_audit.audit(ops, applied=["decode", "swap_blocks"])}
+              audit.audit(ops, applied=["decode", "swap_blocks"])}
     assert checks["swap_blocks"][0] == "ok"
     assert "replaced by the shim's row swap_blocks" in checks["swap_blocks"][1]
     assert checks["topk_softmax"] == ("FAIL", "calls fake_lib.vllm_moe_topk_softmax, which does "
@@ -79,13 +80,13 @@ def test_a_replaced_function_is_ok_the_rest_fail_naming_the_feature(ops):
     assert "whatever calls fake_custom_ops.strange" in checks["strange"][1]
     assert checks["supports_moe_ops"][0] == "FAIL"
     assert "MoE models (FusedMoE) will crash" in checks["supports_moe_ops"][1]
-    unpatched = dict((n, s) for s, n, _ in ops_audit.audit(ops, applied=[]))
+    unpatched = dict((n, s) for s, n, _ in audit.audit(ops, applied=[]))
     assert unpatched["swap_blocks"] == "FAIL"
 
 
 def test_a_sound_ops_module_is_ok():
     sound = types.ModuleType("sound_ops")
-    assert ops_audit.audit(sound, []) == [("ok", "sound_ops", "every function calls only "
+    assert audit.audit(sound, []) == [("ok", "sound_ops", "every function calls only "
                                            "functions that exist")]
 
 
@@ -96,7 +97,7 @@ def test_a_sound_ops_module_is_ok():
     ({"VLLM_ENGINE_ITERATION_TIMEOUT_S": "1h"}, "FAIL", "not an integer"),
 ])
 def test_engine_timeout(env, state, text):
-    got = ops_audit.timeout_check(["chunked prefill and prefix caching"], env)
+    got = audit.timeout_check(["chunked prefill and prefix caching"], env)
     assert got[0] == state and got[1] == "VLLM_ENGINE_ITERATION_TIMEOUT_S" and text in got[2]
 
 
@@ -191,7 +192,7 @@ def _guarded_module(tmp_path, monkeypatch, raising: bool):
 
 
 def test_guarded_calls_and_shadowing_locals_are_not_judged(tmp_path, monkeypatch):
-    broken = ops_audit.broken_ops(_guarded_module(tmp_path, monkeypatch, raising=False))
+    broken = audit.broken_ops(_guarded_module(tmp_path, monkeypatch, raising=False))
     assert broken == {"guard_of_another_name": ["fake_lib.maybe"],
                       "guard_that_does_not_cover": ["fake_lib.maybe"],
                       "lookup_raises": ["raising_lib.thing"]}, broken
@@ -201,7 +202,7 @@ def test_a_lookup_that_raises_is_reported_not_raised(tmp_path, monkeypatch):
     """``hasattr`` lets anything but AttributeError through: doctor crashed on such a
     module; now the call is reported with what its lookup raises."""
     guards = _guarded_module(tmp_path, monkeypatch, raising=True)
-    assert ops_audit.missing_calls(guards.lookup_raises) == [
+    assert missing_calls(guards.lookup_raises) == [
         "raising_lib.thing (looking it up raises RuntimeError: lazy import of thing failed)"]
-    checks = {name: state for state, name, _ in ops_audit.audit(guards, applied=[])}
+    checks = {name: state for state, name, _ in audit.audit(guards, applied=[])}
     assert checks["lookup_raises"] == "FAIL"

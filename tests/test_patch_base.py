@@ -1,4 +1,4 @@
-"""What every patch module shares (``patches/_common.py``): the factory type, the argument
+"""What every patch module shares (``patches/factories.py``): the factory type, the argument
 reader, and call counters that a row declares in the table, so that a new row's first call can
 never fail on a counter its module forgot to register; every counter of the process is one
 call (``counters.snapshot()``)."""
@@ -12,8 +12,10 @@ import types
 
 import pytest
 
-from vllm_bi100_patch import config, counters, registry, rows, table
-from vllm_bi100_patch.patches import _common
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching.counting import counters
+from vllm_bi100_patch.patching import registry, specs, table
+from vllm_bi100_patch.patching import factories
 
 ON = config.load({config.MODE: "1"})
 
@@ -32,20 +34,20 @@ def test_every_declared_counter_is_registered_by_its_rows_module():
     routes = [k for k in counts if k.startswith("decode_")]
     assert routes == ["decode_native_v1", "decode_native_v2", "decode_fallback"]
     assert list(counts)[-3:] == routes  # the calls first, then the routes
-    assert _common.call_counts() == counts
+    assert factories.call_counts() == counts
 
 
 def test_a_counter_no_row_declares_is_refused_where_it_is_asked_for():
-    with pytest.raises(ValueError, match=r"no row of vllm_bi100_patch.table declares the "
+    with pytest.raises(ValueError, match=r"no row of vllm_bi100_patch.patching.table declares the "
                                          r"counter 'forgotten'.*counters=\(\.\.\.\)"):
-        _common.counter("forgotten")
+        factories.counter("forgotten")
     assert "forgotten" not in counters.snapshot()
 
 
 def test_every_factory_has_the_factory_type():
-    expected = [p for p in inspect.signature(_common.Factory.__call__).parameters if p != "self"]
+    expected = [p for p in inspect.signature(factories.Factory.__call__).parameters if p != "self"]
     for row in table.methods():
-        factory = rows.PatchSpec(row).factory()
+        factory = specs.PatchSpec(row).factory()
         assert list(inspect.signature(factory).parameters) == expected, row
 
 
@@ -63,7 +65,7 @@ def test_counts_are_exact_under_threads():
     for t in threads:
         t.join()
     assert count.value == before + 20000
-    _common.reset_call_counts()
+    factories.reset_call_counts()
     assert set(counters.snapshot().values()) == {0}
 
 
@@ -74,7 +76,7 @@ def test_reader_counts_each_call_it_read_and_raises_as_python_would():
     def target(a, b, c=3):
         pass
 
-    reader = _common.ArgReader.for_function(target, ("a", "b", "c"), "target", count)
+    reader = factories.ArgReader.for_function(target, ("a", "b", "c"), "target", count)
     assert reader.read((1,), {"b": 2}) == [1, 2, 3]
     with pytest.raises(TypeError, match="missing required argument: 'b'"):
         reader.read((1,), {})
@@ -89,7 +91,7 @@ def test_a_new_row_with_a_counter_is_its_row_its_module_and_nothing_else(paged_a
     ``setdefault`` to remember, and ``status()["counts"]`` shows it."""
     module = types.ModuleType("bi100_test_row")
     source = (
-        "from vllm_bi100_patch.patches._common import ArgReader, counter\n"
+        "from vllm_bi100_patch.patching.factories import ArgReader, counter\n"
         "CALLS = counter('head_size_calls')\n"
         "def factory(family, original, module, settings):\n"
         "    reader = ArgReader.for_function(original, (), 'get_supported_head_sizes', CALLS)\n"
@@ -102,8 +104,8 @@ def test_a_new_row_with_a_counter_is_its_row_its_module_and_nothing_else(paged_a
                       "bi100_test_row:factory", params="names:", why="w", how="h",
                       vllm="v", upstream="u", removal="r", counters=("head_size_calls",))
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
-    monkeypatch.setattr(_common, "DECLARED", _common.DECLARED | {"head_size_calls"})
-    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
+    monkeypatch.setattr(factories, "DECLARED", factories.DECLARED | {"head_size_calls"})
+    monkeypatch.setattr(specs, "SPECS", tuple(specs.PatchSpec(r) for r in table.methods()))
     monkeypatch.setitem(counters._groups, "calls", dict(counters._groups["calls"]))
     exec(compile(source, "bi100_test_row", "exec"), module.__dict__)
     monkeypatch.setitem(importlib.sys.modules, "bi100_test_row", module)
@@ -111,7 +113,7 @@ def test_a_new_row_with_a_counter_is_its_row_its_module_and_nothing_else(paged_a
     try:
         assert "head_sizes" in registry.apply_to(mod, ON).applied
         assert mod.PagedAttention.get_supported_head_sizes() == [128]
-        assert _common.call_counts()["head_size_calls"] == 1
+        assert factories.call_counts()["head_size_calls"] == 1
     finally:
         registry.revert_all()
 
@@ -124,7 +126,8 @@ def test_the_code_checks_parse_one_thread_at_a_time(monkeypatch):
     import ast
     import time
 
-    from vllm_bi100_patch import guided_imports, source
+    from vllm_bi100_patch.serving import guided_imports
+    from vllm_bi100_patch.patching import source
 
     inside, most, real = [0], [0], ast.parse
     guard = threading.Lock()

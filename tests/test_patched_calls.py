@@ -7,8 +7,9 @@ import torch
 from helpers.reference import paged_batch, prefix_batch, ref_decode, ref_prefix
 from helpers.shim import FAMILY_VERSIONS
 
-from vllm_bi100_patch import config, hardware, registry, versions
-from vllm_bi100_patch.patches import paged_attention
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import hardware, registry, versions
+from vllm_bi100_patch.attention import paged_attention
 
 ON = config.load({config.MODE: "1"})
 #: float32 kernels against the float64 reference on these inputs (|values| < 4): the largest

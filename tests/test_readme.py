@@ -9,7 +9,7 @@ import sys
 from scripts import readme_tables
 from helpers.shim import ROOT
 
-from vllm_bi100_patch import versions
+from vllm_bi100_patch.patching import versions
 
 
 def _read(rel):

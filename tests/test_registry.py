@@ -6,7 +6,8 @@ import logging
 import pytest
 from helpers.shim import FAMILY_VERSIONS
 
-from vllm_bi100_patch import config, registry, versions
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import registry, versions
 
 ON = config.load({config.MODE: "1"})
 
@@ -112,7 +113,7 @@ def test_disabled_patch_is_left_alone(paged_attn_module):
 def test_failure_midway_rolls_back(paged_attn_module, monkeypatch):
     mod = paged_attn_module("0.6.3.post1")
     before = dict(vars(mod.PagedAttention))
-    from vllm_bi100_patch.patches import paged_attention
+    from vllm_bi100_patch.attention import paged_attention
 
     def boom(*a, **k):
         raise RuntimeError("factory exploded")

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from vllm_bi100_patch import __main__ as cli_main
-from vllm_bi100_patch.native import RouteTable, Routing
-from vllm_bi100_patch.native.probe import OpsProfile
-from vllm_bi100_patch.selftest import checks, cli, native, plan, timing
-from vllm_bi100_patch.selftest.shape import Shape, ShapeError
+from vllm_bi100_patch.attention.native import RouteTable, Routing
+from vllm_bi100_patch.attention.native.probe import OpsProfile
+from vllm_bi100_patch.ops.selftest import checks, cli, native, plan, timing
+from vllm_bi100_patch.ops.selftest.shape import Shape, ShapeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--heads", "4", "--kv-heads", "1", "--head-size", "64", "--layers", "3",
@@ -296,10 +296,10 @@ def test_projection_routes_and_the_timeout_from_the_longest_chunk():
 
 
 def test_selftest_imports_no_vllm_and_the_status_command_no_torch():
-    code = ("import sys, vllm_bi100_patch.selftest.cli, vllm_bi100_patch.selftest.native;"
+    code = ("import sys, vllm_bi100_patch.ops.selftest.cli, vllm_bi100_patch.ops.selftest.native;"
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]")
     env = dict(os.environ, PYTHONPATH=ROOT)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-    code = ("import sys, vllm_bi100_patch.__main__, vllm_bi100_patch.selftest;"
+    code = ("import sys, vllm_bi100_patch.__main__, vllm_bi100_patch.ops.selftest;"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -11,8 +11,9 @@ import types
 
 import pytest
 
-from vllm_bi100_patch import config, registry, rows, table
-from vllm_bi100_patch.patches import chat_compat, completion_compat, request_body, seq_limit
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import registry, specs, table
+from vllm_bi100_patch.serving import chat_compat, completion_compat, request_body, seq_limit
 
 ON = config.load({config.MODE: "1"})
 FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
@@ -271,7 +272,7 @@ def test_a_class_row_replaces_checks_and_reverts(paged_attn_module, monkeypatch)
                       params="code:bi100_test_class_factories:check", why="w", how="h",
                       vllm="v", upstream="u", removal="r")
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
-    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
+    monkeypatch.setattr(specs, "SPECS", tuple(specs.PatchSpec(r) for r in table.methods()))
     assert row.owner == row.attr == "Model" and "bi100_test_models" in table.hooked_modules()
     report = registry.apply_to(module, ON)
     assert report.reason is None and report.applied == ["model_compat"], report

@@ -12,8 +12,9 @@ import sys
 import types
 import typing
 
-from vllm_bi100_patch import config, rebind, registry, rows, table
-from vllm_bi100_patch.patches import error_cause, guided
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import rebind, registry, specs, table
+from vllm_bi100_patch.serving import error_cause, guided
 
 ON = config.load({config.MODE: "1"})
 
@@ -45,7 +46,7 @@ def test_a_replaced_class_is_rebound_wherever_bound_and_reverted(paged_attn_modu
                       params="code:bi100_test_rebind_factories:check", why="w", how="h",
                       vllm="v", upstream="u", removal="r")
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
-    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
+    monkeypatch.setattr(specs, "SPECS", tuple(specs.PatchSpec(r) for r in table.methods()))
     assert registry.apply_to(home, ON).applied == ["request_compat"]
     new = home.Request
     assert new is not Request and binder.Request is new and binder.Alias is new

@@ -11,7 +11,8 @@ import re
 import pytest
 
 import vllm_bi100_patch as shim
-from vllm_bi100_patch import _bootstrap, config, decision, strict
+from vllm_bi100_patch.activation import bootstrap, config
+from vllm_bi100_patch.patching import decision, strict
 
 PA = "vllm.attention.ops.paged_attn"
 PACKAGE = os.path.dirname(shim.__file__)
@@ -25,24 +26,24 @@ def env(monkeypatch):
 
 
 def _phase():
-    return _bootstrap._state.phase
+    return bootstrap._state.phase
 
 
 def test_each_phase_is_what_status_says(fake_vllm_factory, env):
     """status()["decision"] is derived from the one state: its phase's value, then the detail."""
-    assert _phase() is _bootstrap.Phase.NOT_BOOTSTRAPPED
+    assert _phase() is bootstrap.Phase.NOT_BOOTSTRAPPED
     assert shim.status()["decision"] == "not bootstrapped"
     seen = []
 
     def record():
         st = shim.status()
-        assert st["decision"] == _bootstrap._state.text()
+        assert st["decision"] == bootstrap._state.text()
         assert st["decision"].split(":")[0] == _phase().value
-        assert st["active"] is (_phase() in _bootstrap.ACTIVE)
+        assert st["active"] is (_phase() in bootstrap.ACTIVE)
         seen.append(_phase())
 
     env(VLLM_BI100_PATCH="0")
-    _bootstrap.bootstrap("sitecustomize")
+    bootstrap.bootstrap("sitecustomize")
     record()
     fake_vllm_factory("0.6.3.post1")
     env(VLLM_BI100_PATCH="1")
@@ -56,7 +57,7 @@ def test_each_phase_is_what_status_says(fake_vllm_factory, env):
     shim.apply()
     importlib.import_module("vllm")
     record()
-    P = _bootstrap.Phase
+    P = bootstrap.Phase
     assert seen == [P.OFF, P.ARMED, P.PATCHED, P.REVERTED, P.NOT_PATCHED]
 
 
@@ -73,7 +74,7 @@ def test_the_decision_is_made_once_per_activation(fake_vllm_factory, env, monkey
     monkeypatch.setattr(decision, "decide", counting)
     fake_vllm_factory("0.6.3.post1")
     env(VLLM_BI100_PATCH="1")
-    _bootstrap.bootstrap("sitecustomize")
+    bootstrap.bootstrap("sitecustomize")
     importlib.import_module(PA)
     st = shim.apply(strict=True)
     assert "forward_decode" in st["patched"] and st["decision"].startswith("patched: ")
@@ -108,7 +109,7 @@ def test_only_the_strict_module_raises_for_strict_mode():
     """No other module decides between raising and logging: PatchError/ConfigError are raised
     in strict.py alone (and by Settings.check, which callers ask to raise), and no module
     branches on a strict flag to raise."""
-    allowed = {'config.py: raise ConfigError("; ".join(self.errors))'}  # Settings.check()
+    allowed = {'activation/config.py: raise ConfigError("; ".join(self.errors))'}  # Settings.check()
     pattern = re.compile(r"raise [\w.]*(PatchError|ConfigError)\(.*"
                          r"|if [\w.]*strict[\w.]*:\s*\n\s*raise.*")
     offenders = []

@@ -12,7 +12,8 @@ from fakes.fake_vllm import write_fake_vllm
 from helpers.shim import ROOT
 
 import vllm_bi100_patch
-from vllm_bi100_patch import _bootstrap, config, versions
+from vllm_bi100_patch.activation import bootstrap, config
+from vllm_bi100_patch.patching import versions
 
 PAGED_ATTN = "vllm.attention.ops.paged_attn"
 
@@ -44,7 +45,7 @@ def test_status_reports_the_configuration_the_process_acted_on(fake_vllm_factory
 
 
 def test_status_before_activation_reads_the_environment(monkeypatch):
-    assert _bootstrap.settings() is None
+    assert bootstrap.settings() is None
     monkeypatch.setenv(config.MODE, "0")
     st = vllm_bi100_patch.status()
     assert st["mode"] == "0" and st["config_live"] is None

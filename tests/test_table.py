@@ -9,8 +9,9 @@ import types
 import pytest
 import torch
 
-from vllm_bi100_patch import config, decision, registry, rows, table, versions
-from vllm_bi100_patch.patches import kv_blocks
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.patching import decision, registry, specs, table, versions
+from vllm_bi100_patch.attention import kv_blocks
 
 ON = config.load({config.MODE: "1"})
 
@@ -136,7 +137,7 @@ def test_adding_a_patch_is_one_row(paged_attn_module, monkeypatch):
                       "bi100_test_factories:factory", params="names:", why="w", how="h",
                       vllm="v", upstream="u", removal="r")
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))
-    monkeypatch.setattr(rows, "SPECS", tuple(rows.PatchSpec(r) for r in table.methods()))
+    monkeypatch.setattr(specs, "SPECS", tuple(specs.PatchSpec(r) for r in table.methods()))
     mod = paged_attn_module("0.8.5")
     original = vars(mod.PagedAttention)["get_supported_head_sizes"]
     report = registry.apply_to(mod, ON)
@@ -160,7 +161,7 @@ def test_adding_a_patch_is_one_row(paged_attn_module, monkeypatch):
     ({}, "0.6.3", {"force": True}, decision.PATCH),
 ])
 def test_one_decision_in_stages(monkeypatch, env, info, kw, kind):
-    from vllm_bi100_patch import hardware
+    from vllm_bi100_patch.patching import hardware
 
     monkeypatch.setattr(hardware, "findable", lambda name: True)
     monkeypatch.setattr(hardware, "looks_like_iluvatar", lambda: False)

@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from vllm_bi100_patch import config
-from vllm_bi100_patch.patches import chat_compat, tool_args, tool_calls, tool_choice
-from vllm_bi100_patch.patches.request_body import RequestRefused
+from vllm_bi100_patch.activation import config
+from vllm_bi100_patch.serving import chat_compat, tool_args, tool_calls, tool_choice
+from vllm_bi100_patch.serving.request_body import RequestRefused
 
 FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
                     "top_logprobs", "response_format", "stream", "stream_options",

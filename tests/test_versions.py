@@ -4,8 +4,8 @@ import importlib.metadata
 
 import pytest
 
-from vllm_bi100_patch import versions
-from vllm_bi100_patch.versions import VersionInfo, family_for, normalise
+from vllm_bi100_patch.patching import versions
+from vllm_bi100_patch.patching.versions import VersionInfo, family_for, normalise
 
 # (installed version string, expected family name or None)
 TABLE = [

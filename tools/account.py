@@ -1,5 +1,5 @@
 """The device-independent account of one kernel call (launches, bytes moved, FLOPs): its
-home is ``vllm_bi100_patch.selftest.account`` (``selftest`` prints it with every timing);
+home is ``vllm_bi100_patch.ops.selftest.account`` (``selftest`` prints it with every timing);
 re-exported here for the benchmark, the profiler comparison and the kernel budget tests, with
 the benchmark's ``HalfGemmsInFloat`` (CPU half-precision products in float32, for speed)."""
 
@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from vllm_bi100_patch.selftest.account import (DEVICES, FREE_OPS, Account, DeviceModel, Launch,
+from vllm_bi100_patch.ops.selftest.account import (DEVICES, FREE_OPS, Account, DeviceModel, Launch,
                                                predict)
 
 __all__ = ["Account", "DEVICES", "DeviceModel", "FREE_OPS", "HalfGemmsInFloat", "Launch",

@@ -143,13 +143,17 @@ class Kernels:
 
 
 def _kernel_module(package: str, name: str) -> Any:
-    """A kernels module of ``package`` (this tree or a baseline commit's): the prompt kernels
-    live in ``kernels.prefill`` now, at ``kernels``' top level in older commits."""
+    """A kernels module of ``package`` (this tree or a baseline commit's): the kernels live
+    in ``attention.kernels`` now (at the package's top level in older commits), the prompt
+    kernels in ``kernels.prefill`` (at ``kernels``' top level in older commits still)."""
     moved = {"prefix": "prefill.prefix", "dense": "prefill.dense"}.get(name, name)
-    try:
-        return importlib.import_module(f"{package}.kernels.{moved}")
-    except ModuleNotFoundError:
-        return importlib.import_module(f"{package}.kernels.{name}")
+    for kernels in ("attention.kernels", "kernels"):
+        for module in (moved, name):
+            try:
+                return importlib.import_module(f"{package}.{kernels}.{module}")
+            except ModuleNotFoundError:
+                continue
+    raise ModuleNotFoundError(f"no kernels module {name!r} in {package}")
 
 
 def _kernels(label: str, package: str) -> Kernels:

@@ -29,17 +29,20 @@ import json
 import sys
 from typing import Any
 
-from . import config, decision, doctor, status, versions
+from .activation import config
+from .patching import decision, versions
+from .ops import doctor
+from . import status
 from ._version import __version__
-from .decision import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the README documents them
-from .decision import EXIT_OK as EXIT_OK
-from .decision import EXIT_WONT_PATCH as EXIT_WONT_PATCH
+from .patching.decision import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the README documents them
+from .patching.decision import EXIT_OK as EXIT_OK
+from .patching.decision import EXIT_WONT_PATCH as EXIT_WONT_PATCH
 
 
 def main(argv: Any = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["selftest"]:  # its own options (torch imported only here)
-        from .selftest.cli import main as selftest_main
+        from .ops.selftest.cli import main as selftest_main
 
         return selftest_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="vllm-bi100-patch", description=__doc__,

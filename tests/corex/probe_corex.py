@@ -137,8 +137,8 @@ def counters() -> Dict[str, int]:
     from ixformer import functions
 
     out = {"ixformer_v1": functions.CALLS.get("vllm_single_query_cached_kv_attention", 0)}
-    if "vllm_bi100_patch.native.decoder" in sys.modules:
-        from vllm_bi100_patch.native import decoder as dispatch
+    if "vllm_bi100_patch.attention.native.decoder" in sys.modules:
+        from vllm_bi100_patch.attention.native import decoder as dispatch
 
         out.update(dispatch.route_counts())
     return out

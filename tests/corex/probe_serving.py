@@ -40,8 +40,8 @@ def counters() -> Dict[str, int]:
 
     out = {"fwop": fmha.CALLS.get("contrib.xformers.memory_efficient_attention_forward", 0),
            "fwop_garbage": fmha.CALLS.get("contrib.xformers.garbage", 0)}
-    if "vllm_bi100_patch.patches.paged_attention" in sys.modules:
-        from vllm_bi100_patch.patches import paged_attention
+    if "vllm_bi100_patch.attention.paged_attention" in sys.modules:
+        from vllm_bi100_patch.attention import paged_attention
 
         counts = paged_attention.call_counts()
         out.update(dense=counts.get("dense_prefill", 0), vendor=counts.get("dense_vendor", 0))
@@ -158,7 +158,7 @@ def mode_dense() -> None:
 def mode_profile() -> None:
     from tools.memtrack import PeakMemory
 
-    from vllm_bi100_patch import config
+    from vllm_bi100_patch.activation import config
 
     tokens, heads, kv_heads, dim, dtype = 8192, 16, 2, 256, torch.bfloat16
     layer = Layer(heads, kv_heads, dim, dtype, empty_cache=True)
@@ -238,7 +238,7 @@ def mode_fp8() -> None:
                                 k_scale, v_scale)
         res["prefix_rel_err"] = rel_error(out, attend(qp, ks[2], vs[2], range(ctx, lens[2]),
                                                       scale))
-        from vllm_bi100_patch.patches import paged_attention
+        from vllm_bi100_patch.attention import paged_attention
 
         res["counts"] = paged_attention.call_counts()
     emit(**res)

@@ -207,7 +207,7 @@ class Engine:
         whose ops cannot swap), else test-side (the official CUDA wheel has no CPU op)."""
         from vllm.attention.backends.xformers import XFormersBackend
         from vllm.attention.ops.paged_attn import PagedAttention
-        from vllm_bi100_patch import registry
+        from vllm_bi100_patch.patching import registry
 
         via_shim = registry.is_ours(vars(PagedAttention)["swap_blocks"])
         for name, srcs, dsts in (("blocks_to_swap_out", self.gpu, self.cpu),
@@ -398,11 +398,11 @@ def main(argv, scenarios=None) -> None:
     import vllm_bi100_patch
 
     if opts.compute is not None:
-        from vllm_bi100_patch.kernels import _common
+        from vllm_bi100_patch.attention.kernels import _common
 
         _common.FORCE_COMPUTE = opts.compute  # the kernels' test hooks
     if opts.path is not None:
-        from vllm_bi100_patch.kernels.prefill import prefix
+        from vllm_bi100_patch.attention.kernels.prefill import prefix
 
         prefix.FORCE_PATH = opts.path
     for name in opts.scenarios or list(scenarios):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from vllm_bi100_patch import versions
+from vllm_bi100_patch.patching import versions
 
 _OPS = '''
 """Fake native ops: a dense reference in plain torch, vLLM's argument order."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from vllm_bi100_patch import native
-from vllm_bi100_patch.native import NativeDecoder, Routing
-from vllm_bi100_patch.patches.paged_attention import decode_call
+from vllm_bi100_patch.attention import native
+from vllm_bi100_patch.attention.native import NativeDecoder, Routing
+from vllm_bi100_patch.attention.paged_attention import decode_call
 
 _PARAMS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "max_seq_len",
            "kv_cache_dtype", "num_kv_heads", "scale", "alibi_slopes")

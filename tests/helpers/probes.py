@@ -62,7 +62,7 @@ def prefix_state():
 def patched_state(cls=None):
     """{method: whether the shim's wrapper is in place} for ``cls`` (default: vLLM's
     PagedAttention, imported)."""
-    import vllm_bi100_patch.registry as r
+    import vllm_bi100_patch.patching.registry as r
 
     if cls is None:
         from vllm.attention.ops.paged_attn import PagedAttention as cls

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 
 from helpers.probes import PRELUDE, clean_env
 
-from vllm_bi100_patch import versions
+from vllm_bi100_patch.patching import versions
 
 #: The repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -17,7 +17,7 @@ FORMULATIONS = {"cpu": ("fast", "fp32"), "generic-fp32": ("generic", "fp32"),
 @pytest.fixture(params=sorted(FORMULATIONS))
 def formulation(request, monkeypatch):
     """Run a test under each formulation (see ``FORMULATIONS``); returns its name."""
-    from vllm_bi100_patch.kernels import _common
+    from vllm_bi100_patch.attention.kernels import _common
 
     layout, compute = FORMULATIONS[request.param]
     _skip_half_without_cpu_gemm(request, compute == "native")
@@ -29,7 +29,7 @@ def formulation(request, monkeypatch):
 @pytest.fixture(params=["sdpa", "tiled"])
 def path(request, monkeypatch):
     """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
-    from vllm_bi100_patch.kernels.prefill import prefix
+    from vllm_bi100_patch.attention.kernels.prefill import prefix
 
     _skip_half_without_cpu_gemm(request, request.param == "sdpa")
     monkeypatch.setattr(prefix, "FORCE_PATH", request.param)

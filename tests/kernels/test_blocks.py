@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_bi100_patch.kernels import blocks
+from vllm_bi100_patch.attention.kernels import blocks
 
 
 def _cache(num_blocks, dtype, seed, width=2 * 16 * 64):

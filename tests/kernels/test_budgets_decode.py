@@ -21,7 +21,7 @@ from helpers.reference import cpu_half_gemm
 
 from tools.account import DEVICES, Account, predict
 
-from vllm_bi100_patch.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
 
 #: The field's per-rank shape (TP=4 of a 16/4-head model of head size 256) and the benchmark's.
 FIELD = dict(heads=4, kv_heads=1, head_size=256, dtype=torch.float16)

@@ -22,9 +22,9 @@ from helpers.reference import cpu_half_gemm
 from torch.utils._python_dispatch import TorchDispatchMode
 from tools.account import Account
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels.prefill import dense
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.prefill import dense
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 1, 256, 16
 DTYPE = torch.float16

@@ -35,10 +35,10 @@ from helpers.reference import cpu_half_gemm, make_cache
 from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_bi100_patch.kernels import _common, decode, paged_decode
-from vllm_bi100_patch.kernels.prefill import _sdpa as _prefix_sdpa
-from vllm_bi100_patch.kernels.prefill import _rows as _prefix_rows
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels.prefill import _sdpa as _prefix_sdpa
+from vllm_bi100_patch.attention.kernels.prefill import _rows as _prefix_rows
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 

@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels import decode as decode_mod
-from vllm_bi100_patch.kernels import paged_decode
-from vllm_bi100_patch.kernels.decode import _device
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels import decode as decode_mod
+from vllm_bi100_patch.attention.kernels import paged_decode
+from vllm_bi100_patch.attention.kernels.decode import _device
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

@@ -15,7 +15,7 @@ import torch
 from helpers.reference import (cpu_half_gemm, empty_caches, fp8_available, make_cache,
                                ref_decode, rel_error, write)
 
-from vllm_bi100_patch.kernels import _common, paged_decode
+from vllm_bi100_patch.attention.kernels import _common, paged_decode
 
 HEADS, KV, D, BS, LEN = 4, 1, 64, 16, 100
 

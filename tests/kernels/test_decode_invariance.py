@@ -18,7 +18,7 @@ from helpers.reference import cpu_half_gemm, fp8_available, make_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_bi100_patch.kernels import _common, paged_decode
+from vllm_bi100_patch.attention.kernels import _common, paged_decode
 
 #: (tile layout, compute mode), as the ``formulation`` fixture of ``conftest.py``.
 FORMULATIONS = {"cpu": ("fast", "fp32"), "generic-fp32": ("generic", "fp32"),

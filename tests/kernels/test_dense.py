@@ -10,8 +10,8 @@ import torch
 from helpers.reference import TOLERANCE, attend, cpu_half_gemm, rel_error
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels.prefill import dense
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.prefill import dense
 
 LENS = [1, 23, 70, 8]
 

@@ -1,4 +1,4 @@
-"""The device checks (``vllm_bi100_patch.selftest.checks``, the ones ``selftest`` runs) under
+"""The device checks (``vllm_bi100_patch.ops.selftest.checks``, the ones ``selftest`` runs) under
 pytest, on ``BI100_TEST_DEVICE`` (default cpu, where the GPU formulation is forced):
 ``BI100_TEST_DEVICE=cuda python -m pytest tests/kernels/test_device.py`` on a GPU."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from vllm_bi100_patch.selftest import checks as device_checks
+from vllm_bi100_patch.ops.selftest import checks as device_checks
 
 DEVICE = torch.device(os.environ.get("BI100_TEST_DEVICE", "cpu"))
 

@@ -10,10 +10,10 @@ from helpers.reference import make_cache, make_tables, ref_decode
 
 from helpers import native_decode
 
-from vllm_bi100_patch.native import decoder as dispatch
-from vllm_bi100_patch.native import longest
-from vllm_bi100_patch.native import routes
-from vllm_bi100_patch.native.routes import Routing as DecodeRouting
+from vllm_bi100_patch.attention.native import decoder as dispatch
+from vllm_bi100_patch.attention.native import longest
+from vllm_bi100_patch.attention.native import routes
+from vllm_bi100_patch.attention.native.routes import Routing as DecodeRouting
 
 TAIL = (0, 0, 0, 64, 0)  # tp_rank, blocksparse_local_blocks, vert_stride, block_size, step
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers.reference import decode_inputs, fp8_available, prefix_inputs
 
-from vllm_bi100_patch.kernels import kv_write, paged_decode, paged_prefix
-from vllm_bi100_patch.kernels.prefill import dense
+from vllm_bi100_patch.attention.kernels import kv_write, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.prefill import dense
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.reference import attend, fp8_available, gather_seq, make_tables, x_of
 
-from vllm_bi100_patch.kernels import kv_write, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels import kv_write, paged_decode, paged_prefix
 
 pytestmark = pytest.mark.skipif(not fp8_available(), reason="torch without float8 dtypes")
 

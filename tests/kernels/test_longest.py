@@ -15,9 +15,9 @@ from helpers.reference import make_cache, make_tables
 
 from helpers import native_decode
 
-from vllm_bi100_patch.native import decoder as dispatch
-from vllm_bi100_patch.native import longest
-from vllm_bi100_patch.native.routes import Routing
+from vllm_bi100_patch.attention.native import decoder as dispatch
+from vllm_bi100_patch.attention.native import longest
+from vllm_bi100_patch.attention.native.routes import Routing
 
 
 class RecordingOps:

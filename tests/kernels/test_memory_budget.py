@@ -23,9 +23,9 @@ from helpers.reference import make_cache
 from test_budgets_prefix import OneGemms
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _common, decode, paged_decode
-from vllm_bi100_patch.kernels.prefill import _attend, _plan, dense, prefix
-from vllm_bi100_patch.kernels.decode import _device
+from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels.prefill import _attend, _plan, dense, prefix
+from vllm_bi100_patch.attention.kernels.decode import _device
 
 MiB = 1 << 20
 LOGGER = "vllm.bi100_patch"

@@ -21,10 +21,10 @@ from helpers.reference import make_cache, make_tables, ref_decode
 
 from helpers import native_decode
 
-from vllm_bi100_patch import native
-from vllm_bi100_patch.native import decoder as dispatch
-from vllm_bi100_patch.native import longest
-from vllm_bi100_patch.native.routes import Routing as DecodeRouting
+from vllm_bi100_patch.attention import native
+from vllm_bi100_patch.attention.native import decoder as dispatch
+from vllm_bi100_patch.attention.native import longest
+from vllm_bi100_patch.attention.native.routes import Routing as DecodeRouting
 
 _IXF_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "corex", "fake_ixformer",
                          "ixformer", "functions.py")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers.reference import make_cache, make_tables
 
-from vllm_bi100_patch import native
-from vllm_bi100_patch.native import decoder as dec
-from vllm_bi100_patch.native import longest, routes
-from vllm_bi100_patch.native.routes import Facts, Routing
-from vllm_bi100_patch.patches.paged_attention import decode_call
+from vllm_bi100_patch.attention import native
+from vllm_bi100_patch.attention.native import decoder as dec
+from vllm_bi100_patch.attention.native import longest, routes
+from vllm_bi100_patch.attention.native.routes import Facts, Routing
+from vllm_bi100_patch.attention.paged_attention import decode_call
 
 
 def _stock_ops(v1=True, v2=True):
@@ -164,8 +164,8 @@ def test_every_kernel_rule_is_driven_both_ways_and_described_where_it_applies():
 def test_the_fallback_works_under_the_settings_budget(monkeypatch):
     """The patch's decoder hands ``VLLM_BI100_PREFIX_BUDGET_MB`` to the pure-PyTorch decode:
     a smaller budget means more passes, the same answer."""
-    from vllm_bi100_patch import config
-    from vllm_bi100_patch.patches import paged_attention
+    from vllm_bi100_patch.activation import config
+    from vllm_bi100_patch.attention import paged_attention
 
     seen = []
     real = dec.paged_decode

@@ -40,8 +40,8 @@ from helpers.reference import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 def worst_errors(dtype, amps=(1.0, 3.0, 6.0), head_sizes=(64, 128), device="cpu"):
     """Worst relative decode and prefix (tiled path, several tiles) errors over the grid."""

@@ -2,8 +2,8 @@
 
 The GPU formulation ("native") multiplies in the half dtypes; nothing it rounds to them may
 overflow (inf, then NaN) where the float32 formulation gives the right answer.  The grid is
-``vllm_bi100_patch.selftest.magnitudes.MAGNITUDES`` (shared with ``selftest``); the ALiBi and sliding-window
-cases are the reproductions of the issue, made cheap (one KV head, small heads).
+``vllm_bi100_patch.ops.selftest.magnitudes.MAGNITUDES`` (shared with ``selftest``); the ALiBi
+and sliding-window cases are the reproductions of the issue, made cheap (one KV head, small heads).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from helpers.reference import (
     rel_error,
 )
 
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix
-from vllm_bi100_patch.kernels.prefill import prefix
-from vllm_bi100_patch.selftest.magnitudes import decode_from, large_magnitude_errors, magnitude_case
+from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.prefill import prefix
+from vllm_bi100_patch.ops.selftest.magnitudes import decode_from, large_magnitude_errors, magnitude_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -20,9 +20,9 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels.prefill import prefix
-from vllm_bi100_patch.selftest.precision import MAX_RATIO, ROWS, precision_rows
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.prefill import prefix
+from vllm_bi100_patch.ops.selftest.precision import MAX_RATIO, ROWS, precision_rows
 
 DTYPES = [torch.bfloat16] + ([torch.float16] if cpu_half_gemm() else [])
 CASES = [("decode", "plain")] + [(kernel, variant) for kernel in ("prefix", "dense")

@@ -19,8 +19,8 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm, make_cache, make_tables, ref_prefix
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels.prefill import dense, prefix
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.prefill import dense, prefix
 
 CTX, NEW, HEADS, KV, HEAD, BLOCK = 256, 64, 4, 1, 128, 16
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])

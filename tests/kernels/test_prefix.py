@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.kernels import _common, paged_prefix
-from vllm_bi100_patch.kernels.prefill import _attend
-from vllm_bi100_patch.kernels.prefill import _plan as _prefix_plan
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common, paged_prefix
+from vllm_bi100_patch.attention.kernels.prefill import _attend
+from vllm_bi100_patch.attention.kernels.prefill import _plan as _prefix_plan
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

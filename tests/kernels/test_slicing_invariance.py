@@ -23,8 +23,8 @@ from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_bi100_patch.kernels import _common
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 #: (compute mode, layout, path) as the kernels run them: CPU default (SDPA where allowed),
 #: CPU tiled (fp32 mode: ALiBi, float16, over budget), the GPU compute mode (tiled).

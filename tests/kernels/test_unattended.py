@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.reference import FP8, fp8_available, make_cache, ref_decode, ref_prefix
 
-from vllm_bi100_patch.kernels import paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels import paged_decode, paged_prefix
 
 POISONS = [math.nan, math.inf, -math.inf]
 

@@ -34,7 +34,7 @@ def worker_task():
     from vllm.attention.ops.paged_attn import PagedAttention
 
     import vllm_bi100_patch
-    from vllm_bi100_patch import registry
+    from vllm_bi100_patch.patching import registry
 
     # One decode through the patched method: 1 sequence of 5 tokens in a 1-block cache.
     kv = torch.randn(PagedAttention.get_kv_cache_shape(2, 16, 2, 64))
@@ -42,9 +42,9 @@ def worker_task():
     out = _decode(PagedAttention, torch.randn(1, 4, 64), kc, vc)
     import time
 
-    from vllm_bi100_patch import metrics_export
+    from vllm_bi100_patch.patching.counting import export
 
-    exporter, deadline = metrics_export.exporter(), time.time() + 20
+    exporter, deadline = export.exporter(), time.time() + 20
     flushes = exporter.flushes if exporter is not None else 0
     while exporter is not None and exporter.flushes <= flushes and time.time() < deadline:
         time.sleep(0.1)  # one flush after the decode (VLLM_BI100_METRICS_INTERVAL_S=1)

@@ -85,7 +85,7 @@ def compute(pa, family):
 
 def mode_startup():
     import vllm_bi100_patch as shim
-    from vllm_bi100_patch import registry, versions
+    from vllm_bi100_patch.patching import registry, versions
 
     info = versions.installed_vllm_version()
     family = versions.family_for(info)
@@ -143,7 +143,7 @@ def mode_late():
     binding_before = vars(pa).get("context_attention_fwd")
     prefix_before = prefix_state()
     shim.apply()
-    from vllm_bi100_patch import import_guard
+    from vllm_bi100_patch.attention import import_guard
 
     patched = patched_state(cls)
     bound_substitute = vars(pa).get("context_attention_fwd") is import_guard.context_attention_fwd

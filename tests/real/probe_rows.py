@@ -19,7 +19,7 @@ def main() -> None:
     import torch
 
     import vllm_bi100_patch as shim
-    from vllm_bi100_patch import registry
+    from vllm_bi100_patch.patching import registry
 
     from vllm.attention.backends import xformers as backend  # noqa: E402
     from vllm.attention.ops.paged_attn import PagedAttention

@@ -396,10 +396,10 @@ def metrics_lines(port):
     import httpx
 
     try:
-        from vllm_bi100_patch import metrics_export
+        from vllm_bi100_patch.patching.counting import export
     except ImportError:
         return []
-    exporter = metrics_export.exporter()
+    exporter = export.exporter()
     if exporter is not None:
         exporter.tick()
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
@@ -409,7 +409,7 @@ def metrics_lines(port):
 
 def doctor_lines():
     """doctor's code-check lines of this process (the rows' checks, as ``doctor`` prints)."""
-    from vllm_bi100_patch import doctor
+    from vllm_bi100_patch.ops import doctor
 
     sections, _ = doctor.doctor_sections()
     return [ln for s in sections for ln in s.render().splitlines() if "] code check " in ln]

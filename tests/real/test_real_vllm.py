@@ -32,7 +32,7 @@ INSTALLED = _installed()
 
 
 def _supported():
-    from vllm_bi100_patch import versions
+    from vllm_bi100_patch.patching import versions
 
     return versions.family_for(versions.VersionInfo(INSTALLED)) is not None
 
@@ -82,7 +82,7 @@ def test_startup_activation_patch_compute_revert():
     # One INFO line at start-up per target module patched (each lists every row patched so
     # far: vllm.sequence is imported before paged_attn, and on the CoreX stand-in its row
     # stream_delta applies), one more for the probe's explicit re-apply after revert.
-    from vllm_bi100_patch import table
+    from vllm_bi100_patch.patching import table
 
     info = [ln for ln in stderr.splitlines() if "vllm-bi100-patch active" in ln]
     startup = info[:-1]

@@ -169,7 +169,7 @@ def test_outlines_of_063_builds_the_calls_schema():
     if not installed.startswith("0.6.3"):  # later vLLMs pin outlines 0.1, another regex builder
         pytest.skip(f"the schema is built for vLLM 0.6.3's outlines; this is vLLM {installed}")
     build = pytest.importorskip("outlines.fsm.json_schema").build_regex_from_schema
-    from vllm_bi100_patch.patches import tool_choice
+    from vllm_bi100_patch.serving import tool_choice
 
     unit = {"type": "object", "$defs": {"U": {"enum": ["c", "f"]}},
             "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}

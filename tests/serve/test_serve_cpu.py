@@ -423,7 +423,9 @@ def test_one_process_server_shows_vllms_series_and_none_of_the_shims(servers):
     """vLLM 0.11's V1 engine, one API server, no PROMETHEUS_MULTIPROC_DIR: /metrics is the API
     server's own registry; the shim counts in the engine-core process: none of its series
     (what docs/metrics-operators.md and doctor say), vLLM's own series as usual."""
-    from vllm_bi100_patch import config, doctor, versions
+    from vllm_bi100_patch.activation import config
+    from vllm_bi100_patch.ops import doctor
+    from vllm_bi100_patch.patching import versions
 
     r = servers("native")
     assert r["metrics"]["vllm_series"], r["metrics"]

@@ -21,9 +21,9 @@ from tools.bench_cases import (
     sections,
     this_package,
 )
-from vllm_bi100_patch.kernels import _common, paged_decode, paged_prefix
-from vllm_bi100_patch.kernels.prefill import dense
-from vllm_bi100_patch.kernels.prefill import prefix
+from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.prefill import dense
+from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
