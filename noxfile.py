@@ -90,8 +90,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
-    # prometheus_client: tests/test_metrics.py reads the shim's series as vLLM's /metrics
-    # would (a test dependency only: the package imports it lazily, from vLLM's install).
+    # prometheus_client: tests/patching/counting/test_metrics.py reads the shim's series as
+    # vLLM's /metrics would (a test dependency only: the package imports it lazily, from vLLM's install).
     session.install(TORCH, "numpy", *TEST_DEPS, "prometheus_client>=0.18", "setuptools>=61",
                     "wheel")
     _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray "
@@ -200,10 +200,11 @@ TORCH_21 = ("torch==2.1.0", "numpy<2")
 
 @nox.session(python=PYTHON, name="kernels-torch2.1", default=False)
 def kernels_torch21(session: nox.Session) -> None:
-    """tests/kernels on torch 2.1.0, the torch of the CoreX 3.2.3 stack."""
+    """tests/attention/kernels and tests/attention/native (the kernels' and the native decoder's
+    tests) on torch 2.1.0, the torch of the CoreX 3.2.3 stack."""
     session.install(*TORCH_21, *TEST_DEPS)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-    _pytest(session, "tests/kernels", "-q", *session.posargs)
+    _pytest(session, "tests/attention/kernels", "tests/attention/native", "-q", *session.posargs)
 
 
 @nox.session(python=False)

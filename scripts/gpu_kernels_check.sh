@@ -33,7 +33,7 @@ start=$(date +%s)
 
 if [ "$DRY" = 1 ]; then
   # The cheap checks only: on a CPU the GPU formulation's half-precision products are
-  # emulated where the CPU has no float16 instructions, and tests/kernels/test_device.py
+  # emulated where the CPU has no float16 instructions, and tests/attention/kernels/test_device.py
   # runs every check in that formulation already.
   SELFTEST_ARGS=(--device cpu --formulation gpu --quick --repeats 1 --check check_formulation
                  --check check_logit_precision --check check_gqa_window_alibi

@@ -133,7 +133,7 @@ def context_attention_fwd(*args, **kwargs):
 # vllm/attention/ops/paged_attn.py of the official wheels (annotations included), one entry per
 # signature family. They are typed out here, NOT generated from versions.FAMILIES, so that the
 # fakes check that table instead of agreeing with it by construction
-# (tests/test_versions.py::test_families_match_the_literal_wheel_signatures).
+# (tests/patching/test_versions.py::test_families_match_the_literal_wheel_signatures).
 _DECODE_HEAD = """\
         query: torch.Tensor,
         key_cache: torch.Tensor,

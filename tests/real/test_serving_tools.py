@@ -2,7 +2,7 @@
 own server app (``--enable-auto-tool-choice --tool-call-parser hermes``) driven by the
 ``openai`` client, stock and with the shim (serving_app.py, the runs of conftest.py), on the
 official 0.6.3.post1 wheel and on the CoreX 3.2.3 stand-in.  The engine stand-in answers what
-fits the request (standin_answers.py).  Without vLLM: tests/test_tool_choice_unit.py."""
+fits the request (standin_answers.py).  Without vLLM: tests/serving/test_tool_choice_unit.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ imports vLLM at import time (``native.find`` imports ``vllm._custom_ops`` where 
 installed, when the selftest runs).
 
 - ``checks`` (with ``magnitudes``, ``reference``, ``slicing``): the device checks against a
-  float64 reference (the one home of the checks ``tests/kernels/test_device.py`` runs);
+  float64 reference (the one home of the checks ``tests/attention/kernels/test_device.py`` runs);
 - ``native``: the build's native V1, called only within its limit;
 - ``account``: launches and bytes per call (device-independent);
 - ``timing``: medians per call at the model's shape, inside memory and time limits;

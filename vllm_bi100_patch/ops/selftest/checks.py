@@ -4,7 +4,7 @@
 device that need torch only (no pytest, no vLLM).
 
 ``vllm-bi100-patch selftest`` runs them on the operator's card (``cli.py``);
-``tests/kernels/test_device.py`` runs them under pytest on the device named by
+``tests/attention/kernels/test_device.py`` runs them under pytest on the device named by
 ``BI100_TEST_DEVICE`` (default cpu).  On a GPU the kernels choose their own formulation,
 which must be the GPU one ("native"); on CPU the tests force that formulation
 (``use_device_formulation``), so these checks run (and can fail) everywhere.  Tolerances:

@@ -2,7 +2,7 @@
 # (the checks unpack argument lists built by the reference helpers: *args then more positionals)
 """The magnitude grid of the device checks: one sequence at magnitudes around and past
 float16's range, decode, the tiled (and, on CPU, the SDPA) prefix and the dense kernel
-against the float64 reference (``checks.check_large_magnitudes``; ``tests/kernels/
+against the float64 reference (``checks.check_large_magnitudes``; ``tests/attention/kernels/
 test_overflow.py`` runs the same cases)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ tile-major, go through the products in *chunks* of ``TilePlan.chunk`` pairs
 (``chunk_pairs``: a function of the model's shape and the work dtype alone, never of the
 batch, the memory budget or the block table; the last chunk padded).  So every matrix
 product and every reduction that touches a sequence's row has the same shape, batch count,
-strides and dtype whatever else is in the call (``tests/kernels/test_call_shapes.py`` records
+strides and dtype whatever else is in the call (``tests/attention/kernels/test_call_shapes.py`` records
 them): a library that picks its kernel or splits a reduction by the whole shape sees the same
 call.  Steps:
 

@@ -27,7 +27,7 @@ So every matrix product (``Q.K^T``, ``P.V``) and softmax that touches a row has 
 dtype, layout (strides, alignment in its buffer) and batch count that are functions of the
 row's tile and key group only: a BLAS (or cuBLAS) that picks its kernel, blocking and split
 of the reduction by the whole shape and the thread count sees the same call for the row in
-every slicing (``tests/kernels/test_call_shapes.py`` records them).
+every slicing (``tests/attention/kernels/test_call_shapes.py`` records them).
 """
 
 from __future__ import annotations

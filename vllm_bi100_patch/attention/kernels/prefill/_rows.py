@@ -42,7 +42,7 @@ from ._plan import PrefixInputs, SeqSpan, Tiling
 __all__ = ["ScoreRows"]
 
 #: Test hook: called with ``("tiled", tile's first position, first key, end key, work dtype)``
-#: before each product and softmax (``tests/kernels/test_call_shapes.py`` attributes the
+#: before each product and softmax (``tests/attention/kernels/test_call_shapes.py`` attributes the
 #: calls it records).
 TRACE: Optional[Callable[[tuple], None]] = None
 

@@ -18,7 +18,7 @@ once per key group, and the rows written back in at most three ops per run of sa
 tiles; tiles whose keys span several groups keep their score rows for the wave (K staged for
 all of them, once more for the shifted products, then V).  What a wave shares is never an
 operand of a product or softmax beside another tile's rows: every such call has the shape,
-strides and alignment of its tile and group alone (``tests/kernels/test_call_shapes.py``).
+strides and alignment of its tile and group alone (``tests/attention/kernels/test_call_shapes.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The device checks (``vllm_bi100_patch.ops.selftest.checks``, the ones ``selftest`` runs) under
 pytest, on ``BI100_TEST_DEVICE`` (default cpu, where the GPU formulation is forced):
-``BI100_TEST_DEVICE=cuda python -m pytest tests/kernels/test_device.py`` on a GPU."""
+``BI100_TEST_DEVICE=cuda python -m pytest tests/attention/kernels/test_device.py`` on a GPU."""
 
 from __future__ import annotations
 
@@ -30,4 +30,4 @@ def test_device_check(check):
 
 
 # The command an operator runs (``vllm-bi100-patch selftest``: the same checks, exit status,
-# JSON) is tested in ``tests/test_selftest.py``.
+# JSON) is tested in ``tests/ops/test_selftest.py``.

@@ -273,7 +273,7 @@ def test_scratch_used_in_capture_is_kept_when_it_grows(monkeypatch):
 def test_any_ops_object_with_both_kernels_takes_the_native_route():
     # The decoder trusts the ops it is given: a plain namespace with the two functions is
     # native (V1 fills 1.0). Detecting an ops module without real kernels is the patch layer's
-    # job: tests/test_patched_calls.py::test_fallback_when_vllm_ops_have_no_kernels_behind_them.
+    # job: tests/attention/test_patched_calls.py::test_fallback_when_vllm_ops_have_no_kernels_behind_them.
     ops = types.SimpleNamespace(paged_attention_v1=FakeOps().paged_attention_v1,
                                 paged_attention_v2=FakeOps().paged_attention_v2)
     out = _decode(_inputs(), 30, ops=ops)

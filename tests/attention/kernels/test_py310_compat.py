@@ -14,7 +14,7 @@ from typing import List
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 #: ``module.name`` added after Python 3.10 (a deliberate, small list of the likely ones).
 NEWER_THAN_310 = {

@@ -26,7 +26,7 @@ from vllm_bi100_patch.attention.native import decoder as dispatch
 from vllm_bi100_patch.attention.native import longest
 from vllm_bi100_patch.attention.native.routes import Routing as DecodeRouting
 
-_IXF_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "corex", "fake_ixformer",
+_IXF_PATH = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "corex", "fake_ixformer",
                          "ixformer", "functions.py")
 
 

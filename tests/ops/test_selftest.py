@@ -1,5 +1,5 @@
 """``vllm-bi100-patch selftest`` on CPU: the command in both compute modes (small internal
-configurations: the full checks run in ``tests/kernels/test_device.py``, the ``--quick`` run
+configurations: the full checks run in ``tests/attention/kernels/test_device.py``, the ``--quick`` run
 in ``test_bench_script.py``'s dry run of ``scripts/gpu_kernels_check.sh``), its JSON schema,
 its exit codes, the native V1 never called above its limit (through the CoreX stand-in's fake
 ixformer kernel), the per-rank shape of a model's config.json, and the projection and
@@ -23,7 +23,7 @@ from vllm_bi100_patch.attention.native.probe import OpsProfile
 from vllm_bi100_patch.ops.selftest import checks, cli, native, plan, timing
 from vllm_bi100_patch.ops.selftest.shape import Shape, ShapeError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--heads", "4", "--kv-heads", "1", "--head-size", "64", "--layers", "3",
          "--dtype", "bf16", "--lengths", "256,512,1024", "--contexts", "0,256",
          "--chunk-size", "64", "--repeats", "1", "--max-len", "2048",

@@ -40,8 +40,8 @@ def fakes(tmp_path_factory):
                                            metadata_builder="bug"),
         "xformers_backend": write_fake_vllm(str(base / "xformers_backend"), "0.6.3.post1",
                                             metadata_builder="fixed", xformers_backend=True),
-        "fake_xformers": os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "tests", "fakes", "fake_xformers"),
+        "fake_xformers": os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))), "tests", "fakes", "fake_xformers"),
         "ixformer": str(ixformer),
         "corex": str(corex),
     }

@@ -13,7 +13,7 @@ import torch
 
 from tools.bench_cases import sections
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCH = os.path.join(ROOT, "scripts", "bench_attention.py")
 ACCOUNT_COLUMNS = ["case", "launches", "host reads", "MiB moved", "minimal MiB",
                    "bytes / minimal", "GFLOP", "model BI-V100 ms", "model H200 ms"]
