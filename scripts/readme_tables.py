@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 from vllm_bi100_patch.activation import config  # noqa: E402
 from vllm_bi100_patch.patching.counting import metrics  # noqa: E402
 from vllm_bi100_patch.patching import table, versions  # noqa: E402
+from vllm_bi100_patch.patching import patch_row  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 
@@ -77,7 +78,7 @@ def disable_names_block() -> str:
     the vLLM symbol the row patches: a new row appears in the README by itself."""
     out = ["| name | patches | in |", "|---|---|---|"]
     for p in table.PATCHES:
-        what = ("the import of the module" if p.kind == table.GUARD_IMPORT
+        what = ("the import of the module" if p.kind == patch_row.GUARD_IMPORT
                 else f"`{p.target.split(':', 1)[1]}`")
         out.append(f"| `{p.name}` | {what} | `{p.module}` |")
     return "\n".join(out)

@@ -12,6 +12,7 @@ import pytest
 
 from fakes.fake_vllm import write_fake_vllm
 from helpers.shim import ROOT, TEST_DEPS_SITE, venv_site_packages
+from vllm_bi100_patch.patching import report
 
 
 def reset_shim_state() -> None:
@@ -32,14 +33,14 @@ def reset_shim_state() -> None:
             registry._originals.clear()
             registry._installed.clear()
             strict._warned.clear()
-            registry._last_report = registry.Report()
+            registry._last_report = report.Report()
             registry._module_reports.clear()
         bootstrap._finder.hooks.clear()
         bootstrap._finder.before.clear()
         bootstrap.reset()
         import_guard.uninstall()
-    if "vllm_bi100_patch.attention.paged_attention" in sys.modules:
-        sys.modules["vllm_bi100_patch.attention.paged_attention"].reset_call_counts()
+    if "vllm_bi100_patch.patching.factories" in sys.modules:
+        sys.modules["vllm_bi100_patch.patching.factories"].reset_call_counts()
     if "vllm_bi100_patch.patching.counting.export" in sys.modules:
         sys.modules["vllm_bi100_patch.patching.counting.export"].stop()
         sys.modules["vllm_bi100_patch.patching.counting.export"].suppressed = False

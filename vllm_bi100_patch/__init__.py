@@ -26,7 +26,7 @@ def apply(strict: Optional[bool] = None) -> Dict[str, Any]:
 
     With ``strict=True`` (or ``VLLM_BI100_PATCH_STRICT=1``) an invalid variable raises
     ``config.ConfigError``, and an unsupported vLLM version or a failed code check raises
-    ``registry.PatchError`` (now if vLLM is installed, whether or not it is imported yet),
+    ``strict.PatchError`` (now if vLLM is installed, whether or not it is imported yet),
     instead of a WARNING.
     """
     from .activation import bootstrap

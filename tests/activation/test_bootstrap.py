@@ -15,10 +15,11 @@ from helpers.reference import paged_batch, ref_decode
 
 import vllm_bi100_patch as shim
 from vllm_bi100_patch.activation import bootstrap, config
-from vllm_bi100_patch.patching import hardware, registry
+from vllm_bi100_patch.patching import factories, hardware, registry
 from vllm_bi100_patch.attention import import_guard
 from vllm_bi100_patch.attention.native import decoder as dispatch
 from vllm_bi100_patch.attention import paged_attention
+from vllm_bi100_patch.patching import strict
 
 PA = "vllm.attention.ops.paged_attn"
 HEADS, KV_HEADS, D, BS = 4, 2, 64, 16
@@ -162,7 +163,7 @@ def test_mode_off_and_invalid_through_the_environment(fake_vllm_factory, env):
 def test_apply_strict_raises_on_an_unsupported_version(fake_vllm_factory, env):
     fake_vllm_factory("0.4.0")
     env(VLLM_BI100_PATCH="1")
-    with pytest.raises(registry.PatchError, match="0.4.0 is not a supported version"):
+    with pytest.raises(strict.PatchError, match="0.4.0 is not a supported version"):
         shim.apply(strict=True)
 
 
@@ -173,7 +174,7 @@ def test_apply_strict_raises_on_a_failed_code_check(paged_attn_module, env):
     renamed = tuple("seqlens" if p == "seq_lens" else p for p in fam.decode_params)
     paged_attn_module("0.6.3", decode_params=renamed)
     env(VLLM_BI100_PATCH="1")
-    with pytest.raises(registry.PatchError, match="does not match"):
+    with pytest.raises(strict.PatchError, match="does not match"):
         shim.apply(strict=True)
 
 
@@ -376,5 +377,5 @@ def test_route_counters_lose_no_update_across_threads():
     dispatch.reset_route_counts()
     _run_threads(lambda i: [dispatch._count_route("fallback") for _ in range(20000)])
     assert dispatch.route_counts()["fallback"] == 8 * 20000
-    paged_attention.reset_call_counts()
+    factories.reset_call_counts()
     assert dispatch.route_counts()["fallback"] == 0

@@ -13,6 +13,7 @@ import pytest
 import vllm_bi100_patch as shim
 from vllm_bi100_patch.activation import bootstrap, config
 from vllm_bi100_patch.patching import decision, strict
+from vllm_bi100_patch.activation import phase
 
 PA = "vllm.attention.ops.paged_attn"
 PACKAGE = os.path.dirname(shim.__file__)
@@ -31,7 +32,7 @@ def _phase():
 
 def test_each_phase_is_what_status_says(fake_vllm_factory, env):
     """status()["decision"] is derived from the one state: its phase's value, then the detail."""
-    assert _phase() is bootstrap.Phase.NOT_BOOTSTRAPPED
+    assert _phase() is phase.Phase.NOT_BOOTSTRAPPED
     assert shim.status()["decision"] == "not bootstrapped"
     seen = []
 
@@ -39,7 +40,7 @@ def test_each_phase_is_what_status_says(fake_vllm_factory, env):
         st = shim.status()
         assert st["decision"] == bootstrap._state.text()
         assert st["decision"].split(":")[0] == _phase().value
-        assert st["active"] is (_phase() in bootstrap.ACTIVE)
+        assert st["active"] is (_phase() in phase.ACTIVE)
         seen.append(_phase())
 
     env(VLLM_BI100_PATCH="0")
@@ -57,7 +58,7 @@ def test_each_phase_is_what_status_says(fake_vllm_factory, env):
     shim.apply()
     importlib.import_module("vllm")
     record()
-    P = bootstrap.Phase
+    P = phase.Phase
     assert seen == [P.OFF, P.ARMED, P.PATCHED, P.REVERTED, P.NOT_PATCHED]
 
 

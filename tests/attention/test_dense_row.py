@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from vllm_bi100_patch.activation import config
-from vllm_bi100_patch.patching import registry, table
+from vllm_bi100_patch.patching import registry
 from vllm_bi100_patch.attention.kernels.prefill import dense
+from vllm_bi100_patch.patching import patch_row
 
 BACKEND = '''
 import sys
@@ -67,7 +68,7 @@ def backend(tmp_path, monkeypatch, paged_attn_module):
         path = tmp_path / f"backend_{abs(hash((xops_module, body, params)))}.py"
         path.write_text(textwrap.dedent(BACKEND.format(xops_module=xops_module, body=body,
                                                        params=params)))
-        spec = importlib.util.spec_from_file_location(table.XFORMERS, path)
+        spec = importlib.util.spec_from_file_location(patch_row.XFORMERS, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

@@ -8,8 +8,7 @@ from helpers.reference import paged_batch, prefix_batch, ref_decode, ref_prefix
 from helpers.shim import FAMILY_VERSIONS
 
 from vllm_bi100_patch.activation import config
-from vllm_bi100_patch.patching import hardware, registry, versions
-from vllm_bi100_patch.attention import paged_attention
+from vllm_bi100_patch.patching import factories, hardware, registry, versions
 
 ON = config.load({config.MODE: "1"})
 #: float32 kernels against the float64 reference on these inputs (|values| < 4): the largest
@@ -70,7 +69,7 @@ def test_prefix_every_family(patched, version):
                                            "context_lens")], D ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
     assert mod.STOCK_CALLS == []  # the Triton path was never taken
-    assert paged_attention.call_counts()["forward_prefix"] >= 1
+    assert factories.call_counts()["forward_prefix"] >= 1
 
 
 @pytest.mark.parametrize("version", ["0.5.0", "0.6.3.post1", "0.8.5"])
@@ -110,13 +109,13 @@ def test_fallback_when_vllm_ops_have_no_kernels_behind_them(patched, monkeypatch
     mod, fam = patched("0.6.3.post1")
     ops = importlib.import_module("vllm._custom_ops")
     ops.CALLS.clear()
-    before = paged_attention.call_counts()["decode_fallback"]
+    before = factories.call_counts()["decode_fallback"]
     g, kc, vc, bt, seq_lens, _, _ = _scenario(seed=3)
     query = torch.randn(3, HEADS, D, generator=g)
     out = mod.PagedAttention.forward_decode(query, kc, vc, bt, seq_lens, 64, "auto", KV_HEADS,
                                             0.125, None, 1.0, 1.0)
     assert ops.CALLS == []
-    assert paged_attention.call_counts()["decode_fallback"] == before + 1
+    assert factories.call_counts()["decode_fallback"] == before + 1
     torch.testing.assert_close(out.double(), ref_decode(query, kc, vc, bt, seq_lens, 0.125),
                                atol=ATOL, rtol=0)
 

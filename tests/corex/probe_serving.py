@@ -40,10 +40,10 @@ def counters() -> Dict[str, int]:
 
     out = {"fwop": fmha.CALLS.get("contrib.xformers.memory_efficient_attention_forward", 0),
            "fwop_garbage": fmha.CALLS.get("contrib.xformers.garbage", 0)}
-    if "vllm_bi100_patch.attention.paged_attention" in sys.modules:
-        from vllm_bi100_patch.attention import paged_attention
+    if "vllm_bi100_patch.patching.factories" in sys.modules:
+        from vllm_bi100_patch.patching import factories
 
-        counts = paged_attention.call_counts()
+        counts = factories.call_counts()
         out.update(dense=counts.get("dense_prefill", 0), vendor=counts.get("dense_vendor", 0))
     return out
 
@@ -238,9 +238,9 @@ def mode_fp8() -> None:
                                 k_scale, v_scale)
         res["prefix_rel_err"] = rel_error(out, attend(qp, ks[2], vs[2], range(ctx, lens[2]),
                                                       scale))
-        from vllm_bi100_patch.attention import paged_attention
+        from vllm_bi100_patch.patching import factories
 
-        res["counts"] = paged_attention.call_counts()
+        res["counts"] = factories.call_counts()
     emit(**res)
 
 

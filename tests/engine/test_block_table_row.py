@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from vllm_bi100_patch.activation import config
-from vllm_bi100_patch.patching import code_shapes, registry, table
+from vllm_bi100_patch.patching import code_shapes, factories, registry, table
 from vllm_bi100_patch.engine import block_tables
-from vllm_bi100_patch.attention import paged_attention
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 ROW = "prefix_block_table"
-UTILS = table.BACKEND_UTILS
+UTILS = patch_row.BACKEND_UTILS
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def _inter_data(hit: bool, computed, own):
 
 def test_the_row_is_in_the_table():
     row = table.by_name(ROW)
-    assert row.kind == table.WRAP_INSTANCE and row.module == UTILS
+    assert row.kind == patch_row.WRAP_INSTANCE and row.module == UTILS
     assert "#9532" in row.upstream and "0.6.4" in row.removal + row.vllm
     assert ROW in config.PATCH_NAMES
     assert f"`{ROW}` (instance method)" in table.catalogue()
@@ -63,19 +63,19 @@ def test_applied_where_the_bug_is_and_fixes_the_table(utils_module):
     wrapped = vars(cls)["_add_seq_group"]
     assert type(wrapped) is registry.PatchWrapper and registry.is_ours(wrapped)
     assert inspect.signature(wrapped) == inspect.signature(original)
-    before = paged_attention.call_counts()[ROW]
+    before = factories.call_counts()[ROW]
 
     builder = mod.XFormersMetadataBuilder()  # inherits the patched method (MRO)
     data = _inter_data(True, [1, 2], [1, 2, 3, 4, 5])
     builder._add_seq_group(data, True)
     assert builder.block_tables == [[1, 2, 3, 4, 5]]  # the sequence's own, as 0.6.4
     assert data.computed_block_nums == [1, 2]  # restored
-    assert paged_attention.call_counts()[ROW] == before + 1
+    assert factories.call_counts()[ROW] == before + 1
 
     plain = _inter_data(False, [], [4, 5])  # no hit: the original, untouched
     builder._add_seq_group(plain, chunked_prefill_enabled=True)
     assert builder.block_tables[-1] == [4, 5]
-    assert paged_attention.call_counts()[ROW] == before + 1
+    assert factories.call_counts()[ROW] == before + 1
 
     assert registry.revert_all() == ["_add_seq_group"]
     assert vars(cls)["_add_seq_group"] is original
@@ -151,7 +151,7 @@ def test_reports_of_two_modules_merge(fake_vllm_factory):
     method = vars(utils.CommonMetadataBuilder)["_add_seq_group"]
     block_tables.KNOWN[code_shapes.fingerprint(method)] = "fake"
     try:
-        pa = importlib.import_module(table.PAGED_ATTN)
+        pa = importlib.import_module(patch_row.PAGED_ATTN)
         registry.apply_to(pa, ON)
         registry.apply_to(utils, ON)
     finally:

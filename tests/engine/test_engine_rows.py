@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from vllm_bi100_patch.activation import config
-from vllm_bi100_patch.patching import code_shapes, registry, table
+from vllm_bi100_patch.patching import code_shapes, factories, registry, table
 from vllm_bi100_patch.engine import logits_gather, mrope_positions, stream_delta
-from vllm_bi100_patch.attention import paged_attention
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 
@@ -119,11 +119,11 @@ class ModelInputForGPUBuilder:
 RUNNER_END = {"vendor": "", "stock": ", seq_len=inter_data.seq_lens[seq_idx]"}
 
 FILES = {
-    "logits": ("vllm/model_executor/layers/logits_processor.py", table.LOGITS, "LogitsProcessor",
+    "logits": ("vllm/model_executor/layers/logits_processor.py", patch_row.LOGITS, "LogitsProcessor",
                "forward", logits_gather, "tp_empty_logits"),
-    "sequence": ("vllm/sequence.py", table.SEQUENCE, "Sequence", "get_output_token_ids_to_return",
+    "sequence": ("vllm/sequence.py", patch_row.SEQUENCE, "Sequence", "get_output_token_ids_to_return",
                  stream_delta, "stream_delta"),
-    "runner": ("vllm/worker/model_runner.py", table.MODEL_RUNNER, "ModelInputForGPUBuilder",
+    "runner": ("vllm/worker/model_runner.py", patch_row.MODEL_RUNNER, "ModelInputForGPUBuilder",
                "_compute_multi_modal_input", mrope_positions, "mrope_positions"),
 }
 
@@ -168,7 +168,7 @@ def fake(fake_vllm_factory, monkeypatch):
 def test_the_row_is_in_the_table(which):
     path, name, owner, attr, _, row_name = FILES[which]
     row = table.by_name(row_name)
-    assert row.kind == table.WRAP_INSTANCE and row.target == f"{name}:{owner}.{attr}"
+    assert row.kind == patch_row.WRAP_INSTANCE and row.target == f"{name}:{owner}.{attr}"
     assert row_name in config.PATCH_NAMES and name in table.hooked_modules()
     assert f"`{row_name}` (instance method)" in table.catalogue()
     assert row.params.startswith("code:") and row.when is not None
@@ -232,16 +232,16 @@ def test_tp_empty_logits_gives_ranks_above_0_what_stock_gives(fake):
     with pytest.raises(TypeError, match="'NoneType' object is not iterable"):  # the vendor's
         rank1.forward(head, hidden, _metadata([], None))
     cls, original = _applied(mod, "LogitsProcessor", "forward", "tp_empty_logits")
-    before = paged_attention.call_counts()["tp_empty_logits"]
+    before = factories.call_counts()["tp_empty_logits"]
     assert rank1.forward(head, hidden, _metadata([], None)) is None  # nothing samples
-    assert paged_attention.call_counts()["tp_empty_logits"] == before + 1
+    assert factories.call_counts()["tp_empty_logits"] == before + 1
     assert rank1.forward(head, hidden, _metadata([4], None)) is None  # the gather's None
     rank0 = mod.LogitsProcessor(rank=0)
     empty = rank0.forward(head, hidden, sampling_metadata=_metadata([], []))
     assert empty.shape == (0, 7)  # the driver keeps the vendor's empty tensor
     got = rank0.forward(head, hidden, _metadata([1, 4], []))
     assert torch.equal(got, hidden[[1, 4]] @ head.weight.t())
-    assert paged_attention.call_counts()["tp_empty_logits"] == before + 1
+    assert factories.call_counts()["tp_empty_logits"] == before + 1
     assert registry.revert_all() == ["forward"]
     assert vars(cls)["forward"] is original
 
@@ -287,7 +287,7 @@ def test_mrope_positions_of_a_chunk_are_the_chunks(fake):
     cls, original = _applied(mod, "ModelInputForGPUBuilder", "_compute_multi_modal_input",
                              "mrope_positions")
     builder = mod.ModelInputForGPUBuilder()
-    before = paged_attention.call_counts()["mrope_positions"]
+    before = factories.call_counts()["mrope_positions"]
     chunk = _inter(tokens, 32, 36)
     builder._compute_multi_modal_input(chunk, _meta(tokens))
     assert chunk.mrope_input_positions[0] == [list(range(32 + 100 * a, 36 + 100 * a))
@@ -295,7 +295,7 @@ def test_mrope_positions_of_a_chunk_are_the_chunks(fake):
     last = _inter(tokens, 36, 40)  # the last chunk already has its tokens' positions
     builder._compute_multi_modal_input(last, _meta(tokens))
     assert [len(a) for a in last.mrope_input_positions[0]] == [4, 4, 4]
-    assert paged_attention.call_counts()["mrope_positions"] == before + 1
+    assert factories.call_counts()["mrope_positions"] == before + 1
     assert registry.revert_all() == ["_compute_multi_modal_input"]
     assert vars(cls)["_compute_multi_modal_input"] is original
 

@@ -1,4 +1,4 @@
-"""``ops_audit``: every ops function that calls a function its module lacks, with the feature
+"""``audit``: every ops function that calls a function its module lacks, with the feature
 that crashes (or the row that replaces it); the engine-timeout warning."""
 
 from __future__ import annotations

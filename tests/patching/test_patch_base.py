@@ -16,6 +16,7 @@ from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching.counting import counters
 from vllm_bi100_patch.patching import registry, specs, table
 from vllm_bi100_patch.patching import factories
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 
@@ -99,8 +100,8 @@ def test_a_new_row_with_a_counter_is_its_row_its_module_and_nothing_else(paged_a
         "        reader.read(args, kwargs)\n"
         "        return [128]\n"
         "    return wrapper\n")
-    row = table.Patch("head_sizes", table.WRAP_METHOD,
-                      table.PAGED_ATTN + ":PagedAttention.get_supported_head_sizes",
+    row = patch_row.Patch("head_sizes", patch_row.WRAP_METHOD,
+                      patch_row.PAGED_ATTN + ":PagedAttention.get_supported_head_sizes",
                       "bi100_test_row:factory", params="names:", why="w", how="h",
                       vllm="v", upstream="u", removal="r", counters=("head_size_calls",))
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))

@@ -8,6 +8,7 @@ from helpers.shim import FAMILY_VERSIONS
 
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching import registry, versions
+from vllm_bi100_patch.patching import strict
 
 ON = config.load({config.MODE: "1"})
 
@@ -73,7 +74,7 @@ def test_renamed_parameter_fails_the_code_check(paged_attn_module, caplog):
     assert vars(mod.PagedAttention)["forward_prefix"] is before["forward_prefix"]
     assert vars(mod.PagedAttention)["forward_decode"] is before["forward_decode"]
     assert any("does not match" in r.getMessage() for r in caplog.records)
-    with pytest.raises(registry.PatchError, match="does not match"):
+    with pytest.raises(strict.PatchError, match="does not match"):
         registry.apply_to(mod, ON, strict=True)
 
 
@@ -98,7 +99,7 @@ def test_methods_gone_or_version_unsupported(paged_attn_module, caplog):
         report = registry.apply_to(mod, ON)
     assert "0.12.0 is not a supported version" in report.reason
     assert [r.levelname for r in caplog.records] == ["WARNING"]
-    with pytest.raises(registry.PatchError, match="not a supported version"):
+    with pytest.raises(strict.PatchError, match="not a supported version"):
         registry.apply_to(mod, ON, strict=True)
 
 

@@ -12,6 +12,7 @@ import torch
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching import decision, registry, specs, table, versions
 from vllm_bi100_patch.attention import kv_blocks
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 
@@ -39,7 +40,7 @@ def test_every_row_is_well_formed():
             assert callable(table.resolve(row.when)), row
         for field in ("why", "how", "vllm", "upstream", "removal"):
             assert getattr(row, field).strip(), (row, field)
-    for spec in registry.SPECS:
+    for spec in specs.SPECS:
         for fam in versions.FAMILIES:
             # every method row has a code check in every family
             assert spec.params(fam) or spec.code_check() is not None
@@ -132,8 +133,8 @@ def test_adding_a_patch_is_one_row(paged_attn_module, monkeypatch):
     fake = types.ModuleType("bi100_test_factories")
     fake.factory = factory
     monkeypatch.setitem(importlib.sys.modules, "bi100_test_factories", fake)
-    row = table.Patch("head_sizes", table.WRAP_METHOD,
-                      table.PAGED_ATTN + ":PagedAttention.get_supported_head_sizes",
+    row = patch_row.Patch("head_sizes", patch_row.WRAP_METHOD,
+                      patch_row.PAGED_ATTN + ":PagedAttention.get_supported_head_sizes",
                       "bi100_test_factories:factory", params="names:", why="w", how="h",
                       vllm="v", upstream="u", removal="r")
     monkeypatch.setattr(table, "PATCHES", table.PATCHES + (row,))

@@ -14,6 +14,7 @@ import pytest
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching import registry, specs, table
 from vllm_bi100_patch.serving import chat_compat, completion_compat, request_body, seq_limit
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
@@ -267,7 +268,7 @@ def test_a_class_row_replaces_checks_and_reverts(paged_attn_module, monkeypatch)
     factories.check = lambda cls: None if cls.value == 1 else f"value {cls.value}"
     monkeypatch.setitem(importlib.sys.modules, "bi100_test_models", module)
     monkeypatch.setitem(importlib.sys.modules, "bi100_test_class_factories", factories)
-    row = table.Patch("model_compat", table.REPLACE_CLASS, "bi100_test_models:Model",
+    row = patch_row.Patch("model_compat", patch_row.REPLACE_CLASS, "bi100_test_models:Model",
                       "bi100_test_class_factories:factory",
                       params="code:bi100_test_class_factories:check", why="w", how="h",
                       vllm="v", upstream="u", removal="r")

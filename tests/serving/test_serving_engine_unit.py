@@ -15,6 +15,7 @@ import typing
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching import rebind, registry, specs, table
 from vllm_bi100_patch.serving import error_cause, guided
+from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
 
@@ -41,7 +42,7 @@ def test_a_replaced_class_is_rebound_wherever_bound_and_reverted(paged_attn_modu
     factories.check = lambda cls: None
     for mod in (home, binder, factories):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    row = table.Patch("request_compat", table.REPLACE_CLASS, home.__name__ + ":Request",
+    row = patch_row.Patch("request_compat", patch_row.REPLACE_CLASS, home.__name__ + ":Request",
                       "bi100_test_rebind_factories:factory",
                       params="code:bi100_test_rebind_factories:check", why="w", how="h",
                       vllm="v", upstream="u", removal="r")

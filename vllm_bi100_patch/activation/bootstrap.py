@@ -16,7 +16,8 @@ import sys
 from . import config, hooks
 from .log import log
 from ..patching import strict as _strict_mode, table
-from .phase import ACTIVE as ACTIVE, Phase as Phase, State as State  # re-exported
+from .phase import Phase, State
+from ..patching import patch_row
 
 TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
     from ..patching.decision import Decision
 
-TARGET_MODULE = table.PAGED_ATTN
+TARGET_MODULE = patch_row.PAGED_ATTN
 _lock = _thread.RLock()
 
 
@@ -150,8 +151,7 @@ def _on_target(module: Any) -> None:
             _strict_mode.raise_or_log(this.reason, _state.strict)  # apply_to warned already
             return
         # Conditional rows this build does not need are in status()["report"], not here.
-        skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
-                          if not v.startswith("not needed"))
+        skipped = _skipped(report)
         if not this.applied and this.skipped and all(
                 v.startswith("not needed") for v in this.skipped.values()):
             return  # a module whose rows this build does not need: nothing to announce
@@ -174,12 +174,18 @@ def _export_metrics(report: Any) -> None:
                     type(exc).__name__, exc)
 
 
+def _skipped(report: Any) -> str:
+    """The rows a report skipped, as the activation's line and state say them (conditional
+    rows this build does not need are in status()["report"], not here)."""
+    return "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
+                   if not v.startswith("not needed"))
+
+
 def _outcome(report: Any, guard: str) -> Tuple[Phase, str]:
     """The phase and its detail from the merged report of every module patched so far."""
     if not report.applied and report.reason is not None:
         return Phase.NOT_PATCHED, report.reason
-    skipped = "".join(f", skipped {k} ({v})" for k, v in report.skipped.items()
-                      if not v.startswith("not needed"))
+    skipped = _skipped(report)
     text = (f"{', '.join(report.applied) or 'nothing'}{skipped} (vLLM "
             f"{report.vllm_version}, family {report.family}); import guard {guard}")
     return Phase.PATCHED, text + (f"; not patched: {report.reason}"

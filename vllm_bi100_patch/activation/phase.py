@@ -1,5 +1,5 @@
 """The bootstrap's activation state: the phase a process is in and what the activation acted
-on (``_bootstrap`` owns the one ``State`` and changes it under its lock).  Activation layer:
+on (``bootstrap`` owns the one ``State`` and changes it under its lock).  Activation layer:
 standard library only, read at interpreter start.
 """
 

@@ -23,9 +23,6 @@ from .kernels.prefill.prefix import PrefixStats
 from .native import DecodeCall, NativeDecoder
 from ..patching.versions import Family
 from ..patching.factories import ArgReader, Wrapper, counter
-# Every patch's counters live in ._common (counters.snapshot()); read here too, where status(),
-# the test-side serve plugin and the probes have always read them.
-from ..patching.factories import call_counts, log_counts, reset_call_counts  # noqa: F401
 
 DECODE_CALLS = counter("forward_decode")
 PREFIX_CALLS = counter("forward_prefix")

@@ -21,6 +21,8 @@ from . import advice, doctor_serving, invariance
 from ..patching import decision, hardware, versions
 from .status import status
 from .._version import __version__
+from ..patching import patch_row
+from ..patching import specs
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
 Check = Tuple[str, str, str]
@@ -106,8 +108,8 @@ def _code_checks(settings: config.Settings, family: versions.Family
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            rows = registry.specs_for(name)
-            if name != table.PAGED_ATTN and all(s.row.when is not None for s in rows):
+            rows = specs.specs_for(name)
+            if name != patch_row.PAGED_ATTN and all(s.row.when is not None for s in rows):
                 # e.g. the XFormers backend without xformers, or a vLLM without that module:
                 # vLLM cannot use it either, and its rows are all conditional
                 out.append(("info", f"import {name}", "not in this build: "
@@ -120,12 +122,12 @@ def _code_checks(settings: config.Settings, family: versions.Family
         except (Exception, SystemExit) as exc:  # a module may call sys.exit() at import
             out.append(("FAIL", f"import {name}", _import_error(exc)))
             continue
-        missing = registry.missing_classes(module, settings)
+        missing = specs.missing_classes(module, settings)
         if missing:
             out += [("FAIL", cls, "class missing") for cls in missing]
             continue
         for spec, outcome, detail in registry.check_rows(module, family,
-                                                         registry.specs_for(name), settings):
+                                                         specs.specs_for(name), settings):
             label = f"code check {spec.attr}"
             if spec.name in settings.disabled:
                 would["skipped"][spec.name] = "disabled by " + config.DISABLE

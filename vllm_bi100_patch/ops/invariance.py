@@ -55,7 +55,7 @@ def verdict(settings: Optional[config.Settings], report: Optional[Mapping[str, A
             counts: Optional[Mapping[str, int]] = None, inactive: Optional[str] = None) -> str:
     """``"yes: ..."``, ``"partly: ..."``, ``"no: ..."`` or ``"unknown: ..."``: whether every
     prompt and prefix attention row is the shim's (so bit-identical however vLLM slices the
-    prompt), from ``settings`` and a report (``registry.Report.as_dict()``: ``applied``,
+    prompt), from ``settings`` and a report (``report.Report.as_dict()``: ``applied``,
     ``skipped``, ``reason``, ``vllm_version``); ``counts`` (the call counters) add what this
     process has run so far; ``inactive``: why the shim is not active in this process (its
     ``status()["decision"]``), None when it is."""

@@ -43,6 +43,21 @@ def fingerprint(func: Callable[..., Any]) -> Optional[str]:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def class_shape(cls: type, names: Sequence[str], look_through: str = "__func__") -> Optional[str]:
+    """The code shapes of the methods ``names`` of ``cls`` (each as ``cls`` defines it, looked
+    through ``look_through``: a classmethod's ``__func__``, or ``__wrapped__`` for one the shim
+    wrapped), joined with ``-``; None when one is absent or its source cannot be read."""
+    parts = []
+    for name in names:
+        desc = vars(cls).get(name)
+        func = getattr(desc, look_through, desc)
+        shape = fingerprint(func) if func is not None else None
+        if shape is None:
+            return None
+        parts.append(shape)
+    return "-".join(parts)
+
+
 def method_of(module: types.ModuleType, owner: str, attr: str) -> Optional[Callable[..., Any]]:
     """``owner.attr`` of ``module`` as vLLM defined it (along the MRO; the shim's own wrapper
     is looked through), or None when the class or the method is absent."""

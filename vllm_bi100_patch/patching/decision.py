@@ -6,7 +6,7 @@ decides elsewhere.  In a server process it is decided once per activation:
 - the bootstrap at interpreter start (configuration and hardware only: ``info=None``);
 - refined with the installed version when vLLM is about to be imported;
 - refined by the registry when a target module is imported (target class, code checks);
-- ``apply(strict=True)`` reads the same object (``_bootstrap.activation_decision``).
+- ``apply(strict=True)`` reads the same object (``bootstrap.activation_decision``).
 
 ``status`` and ``doctor`` ask ``verdict``, the same decision in an operator's words with
 doctor's exit code.  A stage never repeats the checks an earlier one passed, and the answer

@@ -2,13 +2,13 @@
 call counters.
 
 - ``Wrapper``: what a row's factory returns, a wrapt wrapper ``(wrapped, instance, args,
-  kwargs) -> result``; ``Factory``: the factory a row names (``table.Patch.factory``), called
+  kwargs) -> result``; ``Factory``: the factory a row names (``patch_row.Patch.factory``), called
   once per patch as ``factory(family, original, module, settings)``.
 - ``ArgReader``: reads one family's arguments (positional or keyword) into parameter order,
   cheaply, raising the ``TypeError`` Python would; given a counter, it counts each call it
   read.
 - ``counter(name)``: the handle of a call counter that a row of the table declares
-  (``table.Patch.counters``); a name no row declares is refused when the module asks for it,
+  (``patch_row.Patch.counters``); a name no row declares is refused when the module asks for it,
   at import, never in a call.  ``call_counts()`` is every counter of this process (the calls,
   then the decode routes: ``counters.snapshot()``).
 
@@ -39,7 +39,7 @@ Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], A
 
 
 class Factory(Protocol):
-    """A row's factory (``table.Patch.factory``): builds the wrapper of ``original``, the
+    """A row's factory (``patch_row.Patch.factory``): builds the wrapper of ``original``, the
     function found in ``module`` (vLLM's target module), for ``family`` under ``settings``."""
 
     def __call__(self, family: Family, original: Callable[..., Any], module: types.ModuleType,

@@ -1,4 +1,4 @@
-"""A class the shim replaces (``table.REPLACE_CLASS``) is replaced wherever vLLM bound it.
+"""A class the shim replaces (``patch_row.REPLACE_CLASS``) is replaced wherever vLLM bound it.
 
 Replacing ``protocol.ChatCompletionRequest`` in its module reaches only the code that reads the
 name there later.  vLLM 0.6.3 binds it earlier in three more ways: other modules' globals

@@ -22,17 +22,16 @@ import wrapt
 from ..activation import config
 from . import decision, rebind, table, versions
 from .counting import metrics
-from .specs import SPECS as SPECS  # re-exported: registry.SPECS, registry.specs_for, ...
+from .specs import SPECS as SPECS  # re-exported: specs.SPECS, specs.specs_for, ...
 from .specs import PatchSpec as PatchSpec
 from .specs import check_descriptor as check_descriptor
 from .specs import missing_classes as missing_classes
 from .specs import specs_for as specs_for
 from ..activation.log import log
-from .report import Report as Report  # re-exported: registry.Report
+from .report import Report as Report  # re-exported: report.Report
 from .report import merge
-from .strict import PatchError as PatchError  # re-exported: registry.PatchError
+from .strict import PatchError as PatchError  # re-exported: strict.PatchError
 from .strict import raise_or_log
-from .strict import warn_once as warn_once  # re-exported
 
 
 class PatchWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
@@ -63,7 +62,7 @@ _originals: Dict[Tuple[type, str], Any] = {}
 #: (class, attribute) -> the descriptor we installed (to recognise our own patch).
 _installed: Dict[Tuple[type, str], Any] = {}
 #: (module name, class name) -> (module, the original class, the class the shim put there):
-#: the rows that replace a class (``table.REPLACE_CLASS``).
+#: the rows that replace a class (``patch_row.REPLACE_CLASS``).
 _classes: Dict[Tuple[str, str], Tuple[types.ModuleType, type, type]] = {}
 _last_report = Report()
 #: module name -> the report of its last apply (``_last_report`` is their merge).

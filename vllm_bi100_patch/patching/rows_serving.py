@@ -1,11 +1,11 @@
 """The serving rows of the patch table (``table.PATCHES``): the V0 scheduler's queue and the
-0.6.x OpenAI front end (``patches/seq_limit.py``, ``patches/chat_compat.py``,
+0.6.x OpenAI front end (``serving/seq_limit.py``, ``serving/chat_compat.py``,
 ``docs/serving-compat.md``).  Data only, read at interpreter start: stdlib only.
 """
 
 from __future__ import annotations
 
-from .row import (LLM_ENGINE, MQ_CLIENT, PROTOCOL, REPLACE_CLASS, SCHEDULER, SERVING,
+from .patch_row import (LLM_ENGINE, MQ_CLIENT, PROTOCOL, REPLACE_CLASS, SCHEDULER, SERVING,
                          SERVING_CHAT, WRAP_INSTANCE, Patch)
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare

@@ -1,13 +1,13 @@
 """The serving rows of the patch table (``table.PATCHES``) for the engines' request intake,
-guided decoding and streamed tool calls of vLLM 0.6.3 (``patches/async_engine.py``,
-``patches/llm_batch.py``, ``guided_imports.py``, ``patches/guided.py``,
-``patches/tool_stream.py``; docs/serving-compat.md).  Data only, read at interpreter start:
+guided decoding and streamed tool calls of vLLM 0.6.3 (``serving/async_engine.py``,
+``serving/llm_batch.py``, ``guided_imports.py``, ``serving/guided.py``,
+``serving/tool_stream.py``; docs/serving-compat.md).  Data only, read at interpreter start:
 stdlib only.
 """
 
 from __future__ import annotations
 
-from .row import (ASYNC_ENGINE, GUARD_IMPORT, HERMES, LLM_ENGINE, LLM_ENTRY, SERVING_CHAT,
+from .patch_row import (ASYNC_ENGINE, GUARD_IMPORT, HERMES, LLM_ENGINE, LLM_ENTRY, SERVING_CHAT,
                          WRAP_INSTANCE, Patch)
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare

@@ -1,7 +1,8 @@
 """A function's source as a syntax tree: the one parse the code checks share.
 
-The patch rows' checks (``patches/``), doctor's audit of the ops module (``ops_audit``) and the
-native kernels' stub check (``native/probe.py``) all read vLLM's or a build's code this way.
+The patch rows' checks (``code_shapes``, ``missing_calls``, the rows in ``attention/``,
+``engine/``, ``serving/``), doctor's audit of the ops module (``ops/audit.py``) and the native
+kernels' stub check (``attention/native/probe.py``) all read vLLM's or a build's code this way.
 Patching layer, stdlib only (no torch, no vLLM).
 """
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from ..activation import config
 from . import table, versions
+from . import patch_row
 
 if TYPE_CHECKING:
     from .factories import Factory
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class PatchSpec:
     """A method row of ``table.PATCHES``, ready for the registry."""
 
-    row: table.Patch
+    row: patch_row.Patch
 
     @property
     def name(self) -> str:  # the name used in VLLM_BI100_PATCH_DISABLE
@@ -53,13 +54,13 @@ class PatchSpec:
 
     @property
     def replaces_class(self) -> bool:
-        """The row replaces its module's class (``table.REPLACE_CLASS``)."""
-        return self.row.kind == table.REPLACE_CLASS
+        """The row replaces its module's class (``patch_row.REPLACE_CLASS``)."""
+        return self.row.kind == patch_row.REPLACE_CLASS
 
     @property
     def instance_method(self) -> bool:
         """A plain function of the class (bound to the instance), not a staticmethod."""
-        return self.row.kind == table.WRAP_INSTANCE
+        return self.row.kind == patch_row.WRAP_INSTANCE
 
     def code_check(self) -> Optional[Callable[[Any], Optional[str]]]:
         """The row's own check of the code (``params="code:module:function"``), if any."""
@@ -67,7 +68,7 @@ class PatchSpec:
         return table.resolve(what) if how == "code" else None  # type: ignore[return-value]
 
     def factory(self) -> "Factory":
-        """The row's factory (``patches._common.Factory``)."""
+        """The row's factory (``patching.factories.Factory``)."""
         return table.resolve(self.row.factory)  # type: ignore[return-value]
 
     def not_needed(self, module: types.ModuleType, settings: config.Settings) -> Optional[str]:

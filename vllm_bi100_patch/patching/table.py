@@ -1,12 +1,13 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here (the serving rows: in ``_rows_serving`` and
-``_rows_serving_engine``; ``Patch`` itself and
-the module names: ``_patch_row``) plus its module in ``patches/`` (its factory, of the type
-``patches._common.Factory``, and for a conditional patch its ``when`` check) and its test.
+Adding a patch is one row here (the serving rows: in ``rows_serving`` and
+``rows_serving_engine``; ``Patch`` itself and the module names: ``patch_row``) plus its module
+in the room of its domain, ``attention/``, ``engine/`` or ``serving/`` (its factory, of the
+type ``patching.factories.Factory``, and for a conditional patch its ``when`` check) and its
+test.
 Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
-(``config``), the modules the bootstrap hooks (``_bootstrap``), the code checks and the
-all-or-nothing apply/revert (``registry``), the call counters (``patches._common``),
+(``config``), the modules the bootstrap hooks (``bootstrap``), the code checks and the
+all-or-nothing apply/revert (``registry``), the call counters (``patching.factories``),
 ``doctor``'s checks and the README's catalogue (``scripts/readme_tables.py``).
 
 Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch, no vLLM.
@@ -32,20 +33,15 @@ Row fields:
   settings)`` returns None when the patch is needed in this build under the configuration
   (``config.Settings``), else why not (the patch is then skipped, which is not a failure).
 - ``counters``: the names of the call counters the row's wrapper adds to (``status()["counts"]``);
-  its module takes their handles with ``patches._common.counter(name)``, which refuses a name
+  its module takes their handles with ``patching.factories.counter(name)``, which refuses a name
   no row declares (at import, never in a call).
 - ``why``, ``how``, ``vllm``, ``upstream``, ``removal``: the catalogue entry.
 """
 
 from __future__ import annotations
 
-from .row import (  # re-exported: table.Patch, table.WRAP_METHOD, ...
-    BACKEND_UTILS as BACKEND_UTILS, GUARD_IMPORT as GUARD_IMPORT, LLM_ENGINE as LLM_ENGINE,
-    LOGITS as LOGITS, MODEL_RUNNER as MODEL_RUNNER, MQ_CLIENT as MQ_CLIENT,
-    PAGED_ATTN as PAGED_ATTN, PROTOCOL as PROTOCOL, REPLACE_CLASS as REPLACE_CLASS,
-    SCHEDULER as SCHEDULER, SEQUENCE as SEQUENCE, SERVING as SERVING,
-    WRAP_INSTANCE as WRAP_INSTANCE, WRAP_METHOD as WRAP_METHOD, XFORMERS as XFORMERS,
-    Patch as Patch)
+from .patch_row import (BACKEND_UTILS, GUARD_IMPORT, LOGITS, MODEL_RUNNER, PAGED_ATTN, REPLACE_CLASS,
+                        SEQUENCE, WRAP_INSTANCE, WRAP_METHOD, XFORMERS, Patch)
 from .rows_serving import ROWS as _SERVING_ROWS
 from .rows_serving_engine import ROWS as _ENGINE_ROWS
 

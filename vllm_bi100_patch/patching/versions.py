@@ -128,6 +128,16 @@ def installed_vllm_version() -> VersionInfo:
     return VersionInfo(NO_VERSION if found else None)
 
 
+def only_063() -> Optional[str]:
+    """None on vLLM 0.6.3 (CoreX 3.2.3's release, the code these rows were checked against);
+    else why they are not applied here."""
+    info = installed_vllm_version()
+    if info.release is not None and tuple(info.release[:3]) == (0, 6, 3):
+        return None
+    return (f"the row was checked against vLLM 0.6.3 (CoreX 3.2.3's release) only; this is "
+            f"vLLM {info.raw}")
+
+
 def family_for(info: VersionInfo) -> Optional[Family]:
     """The signature family expected for a version, or None when unknown/unsupported."""
     version = info.version

@@ -1,7 +1,7 @@
 """What today's OpenAI clients send, served by vLLM 0.6.3's chat front end: lossless mappings.
 
 Catalogue entry: row ``chat_request_compat`` of ``vllm_bi100_patch.patching.table`` (its companion row
-``error_message_cause`` is ``patches/error_cause.py``); each mapping with its public source in
+``error_message_cause`` is ``serving/error_cause.py``); each mapping with its public source in
 ``docs/serving-compat.md``.
 
 vLLM 0.6.3's ``ChatCompletionRequest`` (``vllm/entrypoints/openai/protocol.py``, byte-identical
@@ -15,7 +15,7 @@ maps only what maps losslessly, drops only fields that change nothing a self-hos
 does (each named once per process in a WARNING over a bounded set of names), and refuses,
 naming the field and why, what it cannot serve.  A field it does not know stays refused by
 0.6.3 itself, by name.  The tool fields are ``tool_choice.tools``; the tool plan it returns
-rides on the validated request to row ``chat_tool_calls`` (``patches/tool_calls.py``).
+rides on the validated request to row ``chat_tool_calls`` (``serving/tool_calls.py``).
 
 Never imports vLLM (pydantic is imported when the class is built: vLLM's front end has it).
 """
@@ -29,13 +29,13 @@ import typing
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from ..activation import config
+from ..patching import versions
+from ..patching.patch_row import SERVING_CHAT
 from ..patching.versions import Family
 from ..patching import code_shapes
 from . import request_body, tool_choice
 from ..patching.factories import counter
-from ..patching.code_shapes import fingerprint
 from .request_body import RequestRefused, shown
-from .seq_limit import only_063
 
 OWNER = "ChatCompletionRequest"
 ENDPOINT = "chat"
@@ -231,20 +231,6 @@ KNOWN: Dict[str, str] = {
 }
 
 
-def _shape(cls: type) -> Optional[str]:
-    parts = []
-    for name in SHAPE_OF:
-        desc = vars(cls).get(name)
-        func = getattr(desc, "__func__", desc)
-        if func is None:
-            return None
-        shape = fingerprint(func)
-        if shape is None:
-            return None
-        parts.append(shape)
-    return "-".join(parts)
-
-
 def compat_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """None where the build's chat request lacks ``max_completion_tokens`` and forbids extra
     fields (vLLM 0.6.3's); else why the row is not needed."""
@@ -257,7 +243,7 @@ def compat_needed(module: types.ModuleType, settings: config.Settings) -> Option
                 "vLLM 0.6.4 (#9837, #10000, #9530)")
     if getattr(cls, "model_config", {}).get("extra") != "forbid":
         return f"this build's {OWNER} accepts unknown fields"
-    return only_063()
+    return versions.only_063()
 
 
 def check(cls: Any) -> Optional[str]:
@@ -271,14 +257,13 @@ def check(cls: Any) -> Optional[str]:
         return f"{OWNER} lacks the fields {missing}"
     if not {"role", "content", "tool_calls"} <= message_keys_of(cls):
         return f"{OWNER}.messages is not a list of the message types it was checked against"
-    shape = _shape(cls)
+    shape = code_shapes.class_shape(cls, SHAPE_OF)
     if shape is None:
         return f"the source of {OWNER}'s validators cannot be read"
     return code_shapes.unknown_shape(f"{OWNER}'s validators", shape, KNOWN)
 
 
 #: Where row ``chat_tool_calls`` wraps ``OpenAIServingChat.create_chat_completion``.
-SERVING_CHAT = "vllm.entrypoints.openai.serving_chat"
 
 
 def tool_calls_live() -> bool:

@@ -1,6 +1,6 @@
 """What today's OpenAI clients send to ``/v1/completions``, served by vLLM 0.6.3: lossless
 mappings (row ``completion_request_compat`` of ``vllm_bi100_patch.patching.table``; the chat
-endpoint's are ``patches/chat_compat.py``; each with its public source in
+endpoint's are ``serving/chat_compat.py``; each with its public source in
 ``docs/serving-compat.md``).
 
 vLLM 0.6.3's ``CompletionRequest`` (``vllm/entrypoints/openai/protocol.py``, byte-identical in
@@ -29,7 +29,6 @@ from ..patching.versions import Family
 from ..patching import code_shapes
 from . import request_body
 from ..patching.factories import counter
-from ..patching.code_shapes import fingerprint
 
 OWNER = "CompletionRequest"
 ENDPOINT = "completion"
@@ -59,18 +58,6 @@ KNOWN: Dict[str, str] = {
 }
 
 
-def _shape(cls: type) -> Optional[str]:
-    parts = []
-    for name in SHAPE_OF:
-        desc = vars(cls).get(name)
-        func = getattr(desc, "__func__", desc)
-        shape = fingerprint(func) if func is not None else None
-        if shape is None:
-            return None
-        parts.append(shape)
-    return "-".join(parts)
-
-
 def check(cls: Any) -> Optional[str]:
     """The row's code check: the fields the mappings write, and the code shapes of 0.6.3's
     validators they run before (and of ``to_sampling_params``, which reads ``guided_json``
@@ -82,7 +69,7 @@ def check(cls: Any) -> Optional[str]:
         return f"{OWNER} lacks the fields {missing}"
     if getattr(cls, "model_config", {}).get("extra") != "forbid":
         return f"{OWNER} accepts unknown fields: not the model this row was checked against"
-    shape = _shape(cls)
+    shape = code_shapes.class_shape(cls, SHAPE_OF)
     if shape is None:
         return f"the source of {OWNER}'s validators cannot be read"
     return code_shapes.unknown_shape(f"{OWNER}'s validators", shape, KNOWN)

@@ -1,7 +1,7 @@
 """The OpenAI front end's empty error messages (vLLM 0.6.3): the exception named instead.
 
 Catalogue entry: row ``error_message_cause`` of ``vllm_bi100_patch.patching.table`` (with
-``chat_request_compat``, ``patches/chat_compat.py``, the serving rows of
+``chat_request_compat``, ``serving/chat_compat.py``, the serving rows of
 ``docs/serving-compat.md``).  0.6.3 answers ``create_error_response(str(e))``; an exception
 without a message (``TimeoutError()`` of a remote image fetch, a chat template's
 ``raise_exception('')``) gives a 400 with an empty message.  The wrapper names the exception

@@ -1,7 +1,7 @@
 """A guided request whose logits processor cannot be built is refused, naming the cause.
 
 Catalogue entry: row ``guided_decoding_errors`` of ``vllm_bi100_patch.patching.table`` (its async
-twin is part of ``async_add_request``, ``patches/async_engine.py``; docs/serving-compat.md,
+twin is part of ``async_add_request``, ``serving/async_engine.py``; docs/serving-compat.md,
 "Guided decoding").  vLLM 0.6.3 builds a guided request's logits processor when the engine
 adds it (``LLMEngine._build_logits_processors``; ``_AsyncLLMEngine.add_request_async`` has its
 own asynchronous copy).  What fails there (outlines that cannot import, a schema or regex the

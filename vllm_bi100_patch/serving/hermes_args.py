@@ -37,16 +37,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..activation import config
 from ..activation.log import log
+from ..patching import versions
+from ..patching.patch_row import SERVING_CHAT
 from ..patching.versions import Family
 from ..patching import code_shapes
 from ..patching.factories import Wrapper, counter
 from .hermes_reading import Entry, Stream
-from .seq_limit import only_063
 
 CALLS = counter("hermes_tool_args")
 KEPT = counter("hermes_finish_kept")
 
-SERVING_CHAT = "vllm.entrypoints.openai.serving_chat"
 OWNER, ATTR = "OpenAIServingChat", "_should_check_for_unstreamed_tool_arg_tokens"
 CHECK_PARAMS = ("self", "delta_message", "output")
 CHECK_KNOWN: Dict[str, str] = {
@@ -148,7 +148,7 @@ def args_needed(module: types.ModuleType, settings: config.Settings) -> Optional
     if "hermes_tool_start" in settings.disabled:
         return ("row hermes_tool_start is disabled: its wrapper of the hermes parser's "
                 "extract_tool_calls_streaming streams the arguments this row keeps")
-    return only_063()
+    return versions.only_063()
 
 
 def check(func: Callable[..., Any]) -> Optional[str]:

@@ -1,5 +1,5 @@
 """One choice's streamed hermes output read as it grows, for row ``hermes_tool_args``
-(``patches/hermes_args.py``; docs/serving-compat.md, "Streamed tool calls (hermes)").
+(``serving/hermes_args.py``; docs/serving-compat.md, "Streamed tool calls (hermes)").
 
 ``Stream.feed(delta)``: the content and the tool call deltas (dicts as 0.6.3's
 ``DeltaToolCall``) that one delta of text adds.  Text outside ``<tool_call>`` ...

@@ -1,5 +1,5 @@
-"""What the OpenAI request rows share (``chat_request_compat``: ``patches/chat_compat.py``,
-``completion_request_compat``: ``patches/completion_compat.py``; docs/serving-compat.md).
+"""What the OpenAI request rows share (``chat_request_compat``: ``serving/chat_compat.py``,
+``completion_request_compat``: ``serving/completion_compat.py``; docs/serving-compat.md).
 
 - ``RequestRefused``: a body the server cannot serve as asked (a ``ValueError``: pydantic turns
   it into the 400 vLLM's validation handler answers, naming what the client sent);

@@ -1,8 +1,8 @@
 """A request that asks for more parallel sequences than ``max_num_seqs`` never stops the server.
 
 Catalogue entries: rows ``unschedulable_group``, ``seq_limit_engine`` (here),
-``async_add_request`` (``patches/async_engine.py``), ``seq_limit_client`` and
-``seq_limit_openai`` (``patches/seq_limit_front.py``) of ``vllm_bi100_patch.patching.table``
+``async_add_request`` (``serving/async_engine.py``), ``seq_limit_client`` and
+``seq_limit_openai`` (``serving/seq_limit_front.py``) of ``vllm_bi100_patch.patching.table``
 (docs/serving-compat.md).
 
 In vLLM 0.6.3 a request with ``n`` (or ``best_of``, which sets ``n``) parallel sequences is one
@@ -66,17 +66,7 @@ def limit_needed(module: types.ModuleType, settings: config.Settings) -> Optiona
         return "vllm.sequence is not loaded (no V0 engine here)"
     if isinstance(vars(sequence).get("ParallelSampleSequenceGroup"), type):
         return f"this build runs parallel sampling as groups of one ({PR}, vLLM 0.6.4)"
-    return only_063()
-
-
-def only_063() -> Optional[str]:
-    """None on vLLM 0.6.3 (CoreX 3.2.3's release, the code these rows were checked against);
-    else why they are not applied here."""
-    info = versions.installed_vllm_version()
-    if info.release is not None and tuple(info.release[:3]) == (0, 6, 3):
-        return None
-    return (f"the row was checked against vLLM 0.6.3 (CoreX 3.2.3's release) only; this is "
-            f"vLLM {info.raw}")
+    return versions.only_063()
 
 
 def check_scheduler(func: Callable[..., Any]) -> Optional[str]:
@@ -170,4 +160,4 @@ def make_add_request_wrapper(family: Family, original: Callable[..., Any],
 
 def on_063(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
     """The ``when`` check of a serving row checked against vLLM 0.6.3's code only."""
-    return only_063()
+    return versions.only_063()

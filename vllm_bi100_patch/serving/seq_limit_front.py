@@ -2,7 +2,7 @@
 
 Catalogue entries: rows ``seq_limit_client`` and ``seq_limit_openai`` of
 ``vllm_bi100_patch.patching.table`` (docs/serving-compat.md); the engine side is
-``patches/seq_limit.py``.
+``serving/seq_limit.py``.
 
 vLLM 0.6.3's server runs its engine in a separate process by default (the front end holds an
 ``MQLLMEngineClient``), or in the front end's own process with

@@ -1,5 +1,5 @@
 """The tool calls a chat answer holds, read and checked (for row ``chat_tool_calls``:
-``patches/tool_calls.py``; docs/serving-compat.md).
+``serving/tool_calls.py``; docs/serving-compat.md).
 
 - ``CallArray``: the answer to ``tool_choice: "required"`` (guided by the schema of
   ``tool_choice.required_schema``: ``[{"name": ..., "parameters": {...}}, ...]``) read as it

@@ -35,7 +35,6 @@ from ..patching.versions import Family
 from . import chat_compat, tool_args
 from ..patching import code_shapes
 from ..patching.factories import Wrapper, counter
-from ..patching.code_shapes import fingerprint
 from .request_body import plan_of
 
 OWNER = "OpenAIServingChat"
@@ -54,18 +53,6 @@ KNOWN: Dict[str, str] = {
     # of its own.
     "85d74cefd4034dcb-267c86d716d5ed2a-b95781b586b13715": "CoreX 3.2.3's vendored tree",
 }
-
-
-def _shape(cls: type) -> Optional[str]:
-    parts = []
-    for name in SHAPE_OF:
-        desc = vars(cls).get(name)
-        func = getattr(desc, "__wrapped__", desc)
-        shape = fingerprint(func) if func is not None else None
-        if shape is None:
-            return None
-        parts.append(shape)
-    return "-".join(parts)
 
 
 def tool_calls_needed(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
@@ -87,7 +74,7 @@ def check_create(func: Callable[..., Any]) -> Optional[str]:
     cls = vars(module).get(OWNER) if module is not None else None
     if not isinstance(cls, type):
         return f"{OWNER} is not found beside create_chat_completion"
-    shape = _shape(cls)
+    shape = code_shapes.class_shape(cls, SHAPE_OF, "__wrapped__")
     if shape is None:
         return f"the source of {OWNER}'s answer methods cannot be read"
     return code_shapes.unknown_shape(f"{OWNER}'s answer methods", shape, KNOWN)

@@ -5,7 +5,7 @@ vLLM 0.6.3 knows ``tool_choice`` "none" (refused with tools), "auto" and the nam
 ``{"type": "function", "function": {"name": ...}}``, and crashes (a 500: ``KeyError:
 'function'`` in ``check_tool_usage``) on any other object.  ``tools(data, ...)`` maps a body's
 tool fields onto those, in place, and returns the ``ToolPlan`` that row ``chat_tool_calls``
-(``patches/tool_calls.py``) serves the answer by:
+(``serving/tool_calls.py``) serves the answer by:
 
 - the objects: ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto"|"required",
   "tools": [references]}}`` (OpenAI's chat form; the Responses API's, with ``mode`` and

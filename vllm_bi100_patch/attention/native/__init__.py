@@ -1,7 +1,7 @@
 """The native decoder: vLLM's ``paged_attention_v1/v2`` where they exist and are safe, else
 the pure-PyTorch ``kernels.paged_decode``.
 
-Between the patch layer (``patches/paged_attention.py``, which turns vLLM's arguments into one
+Between the patch layer (``attention/paged_attention.py``, which turns vLLM's arguments into one
 ``DecodeCall``) and the kernels (pure PyTorch, no vLLM names).  Never imports vLLM.
 
 - ``probe.py``: what an ops module's kernels are (present or stubbed, calling convention);

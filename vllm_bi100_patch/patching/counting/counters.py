@@ -5,7 +5,7 @@ no call path ever looks a name up (a name nobody registered cannot be counted, a
 it is registered, not in a server's decode).  Two groups, listed in this order by ``snapshot``:
 
 - ``calls``: the patched methods' calls, as the patch table's rows declare them
-  (``table.Patch.counters``; registered by ``patches/_common.py``);
+  (``patch_row.Patch.counters``; registered by ``patching/factories.py``);
 - ``routes``: the native decoder's routes (``decode_native_v1``, ``decode_native_v2``,
   ``decode_fallback``; registered by ``native/decoder.py``).
 

@@ -1,6 +1,6 @@
 """The shim's series on vLLM's ``/metrics``: one exporter per process that patched.
 
-``start()`` is called where a process patched (``_bootstrap``); it starts nothing when
+``start()`` is called where a process patched (``bootstrap``); it starts nothing when
 ``VLLM_BI100_METRICS_INTERVAL_S=0`` or under the kill switch (the bootstrap never gets there).
 A daemon thread then wakes every interval (a scrape-independent period) and:
 

@@ -2,9 +2,9 @@
 
 Counting stays plain integers in the process that counts (a few increments per call, under
 one lock); ``families()`` turns a snapshot of them into metric families, which
-``metrics_export`` writes to prometheus_client's multiprocess files or serves from an
+``export`` writes to prometheus_client's multiprocess files or serves from an
 in-process collector.  Stdlib only, and cheap to import (the patch layer imports it):
-prometheus_client is imported by ``metrics_export``, and only when it exports.
+prometheus_client is imported by ``export``, and only when it exports.
 
 Two sources, read through one seam, ``snapshot()``:
 

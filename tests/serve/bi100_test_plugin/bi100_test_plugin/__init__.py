@@ -223,7 +223,7 @@ def routed_forward_decode(output, query, key_cache, value_cache, block_tables, c
 
 def counts() -> Dict[str, Any]:
     """This process's routed calls, and the shim's call/route counters (cheap: no status())."""
-    patches = sys.modules.get("vllm_bi100_patch.attention.paged_attention")
+    patches = sys.modules.get("vllm_bi100_patch.patching.factories")
     shim_counts = patches.call_counts() if patches is not None else {}
     return {"pid": os.getpid(), "routed": _state["routed"], "bound_ops": _state["bound_ops"],
             "shim_patched": _state.get("shim_patched", []), "shim_counts": shim_counts}
