@@ -96,7 +96,9 @@ def test_tools_and_tool_choice():
     none = rewrite(tools=[_tool()], tool_choice="none")
     assert "tools" not in none and "tool_choice" not in none  # vLLM 0.6.4
     named = {"type": "function", "function": {"name": "f"}}
-    assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [_tool()]
+    # the named tool's empty parameters are guided as an object with no properties (item 4)
+    assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [
+        _tool(parameters={"type": "object", "properties": {}})]
     assert rewrite(tools=[_tool(strict=False)])["tools"] == [_tool()]
     # strict: true under automatic tool choice is served, as upstream serves it (0.6.5, #10463)
     assert rewrite(tools=[_tool(strict=True)], tool_choice="auto")["tools"] == [_tool()]
@@ -163,8 +165,10 @@ def test_deeply_nested_bodies_are_served_or_refused_by_name_never_a_crash():
     call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]}
     assert "nests deeper than this server parses" in refused(messages=[USER, call])
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(5000)}}
-    assert "nest deeper than this server compares" in refused(response_format=fmt,
-                                                              guided_json=_nested(5000))
+    assert "`guided_json` nests deeper than 64 levels" in refused(response_format=fmt,
+                                                                  guided_json=_nested(5000))
+    assert "`response_format.json_schema.schema` nests deeper than 64 levels" in refused(
+        response_format=fmt)
 
 
 def test_the_callers_body_is_never_changed():

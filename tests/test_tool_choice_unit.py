@@ -118,7 +118,7 @@ def test_required_is_one_guided_schema_of_upstreams_shape():
     assert changed and plan.required == ("get_weather", "final_result", "temp", "noargs")
     assert body["tool_choice"] == "auto"  # for 0.6.3's validators; attach() says "none"
     assert body["guided_json"] == {
-        "type": "array", "minItems": 1, "$defs": defs,
+        "type": "array", "minItems": 1,
         "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
                             "parameters": WEATHER}, "required": ["name", "parameters"]},
@@ -126,16 +126,21 @@ def test_required_is_one_guided_schema_of_upstreams_shape():
                             "parameters": TWO[1]["function"]["parameters"]},
              "required": ["name", "parameters"]},
             {"properties": {"name": {"type": "string", "enum": ["temp"]},
-                            "parameters": {"type": "object", "properties": {
-                                "unit": {"$ref": "#/$defs/Unit"}}}},
+                            "parameters": {"type": "object", "$defs": defs, "properties": {
+                                "unit": {"$ref": "#/items/anyOf/2/properties/parameters/$defs/"
+                                                 "Unit"}}}},
              "required": ["name", "parameters"]},
             {"properties": {"name": {"type": "string", "enum": ["noargs"]},
                             "parameters": {"type": "object", "properties": {}}},
              "required": ["name", "parameters"]}]}}
-    assert "$defs" in with_defs["function"]["parameters"]  # the request's tool is unchanged
-    other = tool("other", {"$defs": {"Unit": {"enum": ["k"]}}})
-    assert "defines 'Unit' differently" in refused(tools=[with_defs, other],
-                                                   tool_choice="required")
+    # the request's tool is unchanged
+    assert with_defs["function"]["parameters"]["properties"]["unit"] == {"$ref": "#/$defs/Unit"}
+    # two tools defining one name differently: each keeps its own (the shim before: a 400)
+    other = tool("other", {"$defs": {"Unit": {"enum": ["k"]}}, "properties": {
+        "u": {"$ref": "#/$defs/Unit"}}})
+    body, _, _ = rewrite(tools=[with_defs, other], tool_choice="required")
+    assert body["guided_json"]["items"]["anyOf"][1]["properties"]["parameters"]["properties"][
+        "u"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/Unit"}
     request = types.SimpleNamespace(tool_choice="auto")
     plan.attach(request)
     assert request.tool_choice == "none" and request._vllm_bi100_plan is plan
@@ -232,13 +237,13 @@ def _response(text, finish="stop"):
 
 def test_the_whole_answer_to_required_becomes_tool_calls():
     plan = tool_choice.ToolPlan(("get_weather", "final_result"), {})
-    out = tool_calls._full(_response(CALLS), plan)
+    out = tool_calls._full(_response(CALLS), plan, [])
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_weather", '{"city": "Paris"}'), ("final_result", '{"a": 1}')]
     assert all(c.id.startswith("chatcmpl-tool-") for c in choice.message.tool_calls)
-    cut = tool_calls._full(_response(CALLS[:70], "length"), plan).choices[0]
+    cut = tool_calls._full(_response(CALLS[:70], "length"), plan, []).choices[0]
     assert cut.finish_reason == "length" and cut.message.content == CUT
     assert len(cut.message.tool_calls) == 1
 

@@ -191,6 +191,7 @@ def rewrite(data: Dict[str, Any], fields: FrozenSet[str], message_keys: FrozenSe
         del data["top_logprobs"]  # zero alternatives of no logprobs: nothing to return
     changed |= request_body.stream_options(data, IGNORED_CALLS, ENDPOINT)
     changed |= _messages(data, message_keys)
+    changed |= request_body.guided_json(data)
     watched = ("tools", "tool_choice", "guided_json")
     seen = [data.get(k) for k in watched]
     plan = tool_choice.tools(data, serve_required)
