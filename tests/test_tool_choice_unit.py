@@ -317,3 +317,34 @@ def test_the_calls_row_is_not_needed_where_the_chat_row_is_disabled():
     assert "row chat_request_compat is disabled" in tool_calls.tool_calls_needed(
         types.ModuleType("m"), off)
     assert chat_compat.tool_calls_live() is False  # no serving_chat here
+
+
+def test_strict_checks_run_off_the_event_loop(monkeypatch):
+    """Issue 39: a strict check may take up to its time budget; it runs in the check threads,
+    never on the event loop that serves every other request (whole answers and streams)."""
+    import asyncio
+    import threading
+
+    threads = []
+    monkeypatch.setattr(tool_args, "check_calls",
+                        lambda *a: threads.append(threading.current_thread().name))
+    plan = tool_choice.ToolPlan(("get_weather", "final_result"), {"get_weather": WEATHER})
+
+    async def whole():
+        async def answer():
+            return _response(CALLS)
+        return await tool_calls._served(answer(), plan)
+
+    async def streamed():
+        async def pieces():
+            for line in _chunks([CALLS[:40], CALLS[40:]]):
+                yield line
+        async def answer():
+            return pieces()
+        return [line async for line in await tool_calls._served(answer(), plan)]
+
+    out = asyncio.run(whole())
+    assert out.choices[0].finish_reason == "tool_calls"
+    lines = asyncio.run(streamed())
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert len(threads) == 2 and all(t.startswith("vllm-bi100-strict-check") for t in threads)
