@@ -92,8 +92,10 @@ def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
     # prometheus_client: tests/test_metrics.py reads the shim's series as vLLM's /metrics
     # would (a test dependency only: the package imports it lazily, from vLLM's install).
+    # jsonschema, regex: the strict check's validator (tests/test_client_schema_unit.py), at
+    # the releases vLLM 0.6.3.post1 resolves to (the package imports them lazily, from vLLM's).
     session.install(TORCH, "numpy", *TEST_DEPS, "prometheus_client>=0.18", "setuptools>=61",
-                    "wheel")
+                    "wheel", "jsonschema==4.23.0", "regex==2024.9.11")
     _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray "
             "and not frameworks", "-q",
             *session.posargs)
