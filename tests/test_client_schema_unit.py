@@ -107,6 +107,18 @@ def test_a_schema_over_the_limits_is_a_400_naming_the_limit():
     assert plan is None and body["tools"][0]["function"]["parameters"] == {"$ref": "http://x"}
 
 
+def test_a_requests_schemas_together_stay_within_the_request_limit():
+    big = {"type": "object", "properties": {f"p{k}": {"type": "string"} for k in range(9000)}}
+    tools = [fn(f"t{i}", big) for i in range(3)]  # 18,002 values each: each within its limit
+    assert chat(tools=tools[:2], tool_choice="required")[2].required == ("t0", "t1")
+    with client_schema.request():
+        chat(tools=tools[:2], tool_choice="required")
+    with client_schema.request():
+        message = refused(chat, tools=tools, tool_choice="required")
+    assert message.startswith("the request's schemas hold more than 50000 JSON values "
+                              "together (at `tools[2].function.parameters`)"), message
+
+
 def test_the_walk_is_linear_and_cheap():
     wide = {"type": "object", "properties": {f"p{k}": {"type": "string", "pattern": "^a+$"}
                                              for k in range(6000)}}

@@ -11,7 +11,8 @@ validated, before anything else sees it:
   reference to anything else (``http:``, ``file:``, a relative path, a URN) is a 400 naming it
   and where it stands.  The server never retrieves a document a request names (jsonschema's
   default registry would ``urlopen`` a remote reference with no time-out);
-- it stays within limits: at most ``MAX_NODES`` JSON values, nested at most ``MAX_DEPTH`` deep,
+- it stays within limits: at most ``MAX_NODES`` JSON values (``MAX_REQUEST_NODES`` for all the
+  schemas of a request together, inside ``request()``), nested at most ``MAX_DEPTH`` deep,
   a ``pattern`` (or ``patternProperties`` key) of at most ``MAX_PATTERN`` characters; beyond
   them a 400 naming the limit.  The walk is iterative and linear in the schema's size (the JSON
   parser already read every byte of it).
@@ -29,13 +30,17 @@ Plain Python on dicts; never imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import contextlib
+import contextvars
+from typing import Any, Dict, Iterator, List, Tuple
 from urllib.parse import quote
 
 from .request_body import RequestRefused, shown
 
 #: The most JSON values (objects, arrays, scalars) one schema may hold.
 MAX_NODES = 20_000
+#: The most JSON values all the schemas of one request may hold together (``request``).
+MAX_REQUEST_NODES = 50_000
 #: The deepest nesting of one schema (JSON levels; a tool of 10 nested objects is about 30).
 MAX_DEPTH = 64
 #: The longest ``pattern`` (and ``patternProperties`` key), in characters.
@@ -52,6 +57,20 @@ MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 EMPTY_OBJECT: Dict[str, Any] = {"type": "object"}
 
 
+_spent: contextvars.ContextVar = contextvars.ContextVar("vllm_bi100_schema_values")
+
+
+@contextlib.contextmanager
+def request() -> Iterator[None]:
+    """The scope of one request's mapping: the schemas ``check``ed inside it hold at most
+    ``MAX_REQUEST_NODES`` values together (a request of many tools cannot multiply the walk)."""
+    token = _spent.set([0])
+    try:
+        yield
+    finally:
+        _spent.reset(token)
+
+
 def _where(path: Tuple[Any, ...]) -> str:
     return "/" + "/".join(str(p) for p in path) if path else "the top"
 
@@ -60,6 +79,7 @@ def check(schema: Any, where: str) -> None:
     """Refuse (``RequestRefused``, a 400 naming ``where``) a schema that refers outside
     itself or exceeds the limits; return None for one that is served."""
     nodes = 0
+    spent = _spent.get(None)
     # (value, JSON depth, path, whether the value is a schema)
     stack: List[Tuple[Any, int, Tuple[Any, ...], bool]] = [(schema, 1, (), True)]
     while stack:
@@ -68,6 +88,12 @@ def check(schema: Any, where: str) -> None:
         if nodes > MAX_NODES:
             raise RequestRefused(f"`{where}` holds more than {MAX_NODES} JSON values: this "
                                  "server reads client schemas up to that size")
+        if spent is not None:
+            spent[0] += 1
+            if spent[0] > MAX_REQUEST_NODES:
+                raise RequestRefused(f"the request's schemas hold more than {MAX_REQUEST_NODES} "
+                                     f"JSON values together (at `{where}`): this server reads "
+                                     "client schemas up to that size per request")
         if depth > MAX_DEPTH:
             raise RequestRefused(f"`{where}` nests deeper than {MAX_DEPTH} levels (at "
                                  f"{shown(_where(path[:8]))}...): this server reads client "
@@ -176,5 +202,5 @@ def nested(schema: Dict[str, Any], prefix: str, tag: str) -> Dict[str, Any]:
     return _Nesting(prefix, tag).copy(schema, prefix, prefix, 0, True)
 
 
-__all__: List[str] = ["EMPTY_OBJECT", "MAX_DEPTH", "MAX_NODES", "MAX_PATTERN", "check",
-                      "guided", "nested", "token"]
+__all__: List[str] = ["EMPTY_OBJECT", "MAX_DEPTH", "MAX_NODES", "MAX_PATTERN",
+                      "MAX_REQUEST_NODES", "check", "guided", "nested", "request", "token"]

@@ -242,8 +242,11 @@ def request_class(original: Any, mapping: Mapping, counter: Counter) -> type:
         def _vllm_bi100_compat(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
             plan = None
             if isinstance(data, dict):
+                from . import client_schema
+
                 try:
-                    data, changed, plan = mapping(data)
+                    with client_schema.request():
+                        data, changed, plan = mapping(data)
                 except RecursionError:
                     raise RequestRefused("the request body nests deeper than this server "
                                          "handles") from None
