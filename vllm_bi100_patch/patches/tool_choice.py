@@ -16,16 +16,20 @@ tool fields onto those, in place, and returns the ``ToolPlan`` that row ``chat_t
 - "required" -> ``guided_json`` = one schema accepting a call of any of the tools, the shape of
   upstream's (vLLM pull request #13483, ``_get_guided_json_from_tool``): an array of at least
   one ``{"name": <that tool's name>, "parameters": <that tool's schema>}``, each tool's
-  ``$defs`` (and ``definitions``) moved to the top where ``#/$defs/...`` references resolve;
+  schema nested with its internal references rewritten to resolve as in its own schema
+  (``client_schema.nested``); every tool's schema ``client_schema.check``ed first;
   ``parallel_tool_calls: false`` adds ``maxItems: 1``;
   the validated request then says "none" to 0.6.3 (the answer is plain text to it, no tool
   parser needed) and the plan says ``required`` (row ``chat_tool_calls`` turns the text into
   ``tool_calls``);
 - ``strict``: true or false (or null) accepted and dropped from the body (0.6.3's function
   definition has no such field; upstream accepts it from 0.6.5, #10463); the strict tools'
-  schemas go into the plan: every call of one of them that the server returns is checked
-  against its schema (a violation logged and counted); a forced tool (named, required) is
-  enforced by guided decoding as well.  Any other value of ``strict`` is a 400 naming it.
+  schemas (``client_schema.check``ed) go into the plan: every call of one of them that the
+  server returns is checked against its schema (a violation logged and counted); a forced
+  tool (named, required) is enforced by guided decoding as well.  Any other value of
+  ``strict`` is a 400 naming it;
+- a named tool: its schema ``client_schema.check``ed; without parameters (or ``{}``) it gets
+  upstream's empty object, so that 0.6.3 guides its call (a falsy schema guides nothing);
 - a forced tool beside ``guided_json`` or a ``json_schema`` response format: a 400 (0.6.3
   silently let the tool's parameters replace the schema).
 
