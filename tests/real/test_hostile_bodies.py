@@ -248,6 +248,16 @@ def test_hostile_bodies_never_act_never_stall_never_crash(hostile):
                                     stream, "chat")
             assert status == 200 and problems == [], (status, problems)
             assert time.perf_counter() - start < 10  # the check's budget is 0.5 s
+        # many tools, each within the limit of one schema, over the limit of one request
+        big = {"type": "object", "properties": {f"p{k}": {"type": "string"}
+                                                for k in range(9000)}}
+        many = {"model": "tiny", "messages": [USER], "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": f"t{i}", "parameters": big}}
+            for i in range(3)]}
+        response = client.post("/v1/chat/completions", json=many)
+        assert response.status_code == 400 and "the request's schemas hold more than 50000 " \
+            "JSON values together (at `tools[2].function.parameters`)" in response.text, \
+            response.text[:500]
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
