@@ -11,9 +11,10 @@ deep schemas, pathological patterns, formats, invalid UTF-8, lone surrogates, de
 wrong types.  While they run, a thread sends plain requests and times them.  Then: no answer
 is a 5xx (nor a stream's error event of one), the server logged no traceback and no ERROR, the
 guard recorded nothing, and no plain request took longer than ``STALL_S`` (a bound against a
-stall, not a benchmark).  One named case (a strict tool whose pattern backtracks without bound
-under Python's ``re``, called by the model) is always sent: its check stops at its budget,
-counted as unchecked.  Without vLLM: tests/test_client_schema_unit.py."""
+stall, not a benchmark).  Named cases: a strict tool whose pattern backtracks without bound
+under Python's ``re``, called by the model, streamed and not: its check stops at its budget,
+counted as unchecked; many tools each within one schema's limit and together over one
+request's: a 400 naming it.  Without vLLM: tests/test_client_schema_unit.py."""
 
 from __future__ import annotations
 
