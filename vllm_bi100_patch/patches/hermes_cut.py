@@ -155,8 +155,8 @@ def make_wrapper(family: Family, original: Callable[..., Any], module: types.Mod
             return wrapped(*args, **kwargs)
         CUT.add()
         log.info("vllm-bi100-patch: the output ends inside an unfinished tool call (cut by "
-                 "max_tokens or a stop string): answered as text, no calls, as vLLM does, "
-                 "without an error (row hermes_cut_call)")
+                 "max_tokens, a stop string or the model's end of turn): answered as text, no "
+                 "calls, as vLLM does, without an error (row hermes_cut_call)")
         return info_type(tools_called=False, tool_calls=[], content=output)
 
     return extract_tool_calls
