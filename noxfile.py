@@ -151,6 +151,8 @@ FRAMEWORK_CLIENTS = {
              "pydantic-ai-slim[openai]==2.62.0"),
     "instructor": ("instructor==1.17.0",),
     "llama": ("llama-index-llms-openai-like==0.8.1",),
+    # strands-agents[openai] 1.62.0 requires openai>=1.68,<3: not the main group's 3.51.0
+    "strands": ("strands-agents[openai]==1.62.0",),
 }
 #: The client venvs resolve as of this day (uv's --exclude-newer): what the pins leave open
 #: (langchain-core, httpx, ...) is the same on every machine.
