@@ -92,8 +92,10 @@ def unit(session: nox.Session) -> None:
     """Everything that needs no real vLLM: fakes, kernels, activation in fresh interpreters."""
     # prometheus_client: tests/patching/counting/test_metrics.py reads the shim's series as
     # vLLM's /metrics would (a test dependency only: the package imports it lazily, from vLLM's install).
+    # jsonschema, regex: the strict check's validator (tests/serving/test_client_schema_unit.py), at
+    # the releases vLLM 0.6.3.post1 resolves to (the package imports them lazily, from vLLM's).
     session.install(TORCH, "numpy", *TEST_DEPS, "prometheus_client>=0.18", "setuptools>=61",
-                    "wheel")
+                    "wheel", "jsonschema==4.23.0", "regex==2024.9.11")
     _pytest(session, "-m", "not real_vllm and not serve and not corex and not engine and not ray "
             "and not frameworks", "-q",
             *session.posargs)
@@ -149,6 +151,8 @@ FRAMEWORK_CLIENTS = {
              "pydantic-ai-slim[openai]==2.62.0"),
     "instructor": ("instructor==1.17.0",),
     "llama": ("llama-index-llms-openai-like==0.8.1",),
+    # strands-agents[openai] 1.62.0 requires openai>=1.68,<3: not the main group's 3.51.0
+    "strands": ("strands-agents[openai]==1.62.0",),
 }
 #: The client venvs resolve as of this day (uv's --exclude-newer): what the pins leave open
 #: (langchain-core, httpx, ...) is the same on every machine.

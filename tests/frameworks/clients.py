@@ -5,7 +5,8 @@ case and server.
 
 GROUP is the client venv's: ``main`` (openai, langchain-openai, openai-agents, pydantic-ai),
 ``instructor`` (its own venv: instructor 1.17.0 cannot share one with openai >= 3.4, see
-``noxfile.py``), ``llama`` (llama-index's ``OpenAILike``; it pins ``openai<3``).  The group's
+``noxfile.py``), ``llama`` (llama-index's ``OpenAILike``; it pins ``openai<3``), ``strands``
+(strands-agents' ``OpenAIModel``; its ``openai`` extra pins ``openai<3``).  The group's
 cases run one after another against each server in turn (a server sees one case at a time),
 each framework at its defaults, pointed at the server by its base URL only.
 
@@ -235,6 +236,92 @@ def lc_structured(ctx):
     equal(got, ctx.structured(), "structured output")
 
 
+@case("langchain.structured_function_calling_stream")
+def lc_structured_fc_stream(ctx):
+    # method="function_calling": the model's tool named in `tool_choice`, streamed
+    chunks = list(_chat_openai(ctx).with_structured_output(
+        Report, method="function_calling").stream(ctx.prompt()))
+    check(bool(chunks), "nothing streamed")
+    equal(chunks[-1], ctx.structured(), "streamed structured output")
+
+
+@case("langchain.bind_tools_named_stream")
+def lc_bind_tools_named_stream(ctx):
+    total = _aggregate(_chat_openai(ctx).bind_tools([ctx.get_weather], tool_choice="get_weather")
+                       .stream(ctx.prompt()))
+    check(len(total.tool_call_chunks) == 1, f"tool_call_chunks {total.tool_call_chunks}")
+    chunk = total.tool_call_chunks[0]
+    check(bool(chunk["id"]), f"no call id: {chunk}")
+    equal((chunk["name"], json.loads(chunk["args"])),
+          ("get_weather", json.loads(ctx.last()["text"])), "streamed forced call")
+
+
+# --------------------------------------------------------------------------- openai SDK
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _openai(ctx):
+    import openai
+    return openai.OpenAI(base_url=ctx.base, api_key="dummy")
+
+
+def _forced_calls(ctx, final, n):
+    """Each choice's one call: an id, the forced name (once), the engine's arguments."""
+    equal(len(final.choices), n, "choices")
+    for choice in final.choices:
+        calls = choice.message.tool_calls or []
+        check(len(calls) == 1, f"choice {choice.index}: tool_calls {calls}")
+        call = calls[0]
+        check(bool(call.id), f"choice {choice.index}: no call id ({call})")
+        equal(call.function.name, "get_weather", f"choice {choice.index}: name")
+        equal(json.loads(call.function.arguments), json.loads(ctx.last()["text"]),
+              f"choice {choice.index}: arguments")
+    return [c.message.tool_calls[0] for c in final.choices]
+
+
+@case("openai.stream_named_tool")
+def openai_stream_named(ctx):
+    with _openai(ctx).chat.completions.stream(
+            model="tiny", messages=[{"role": "user", "content": ctx.prompt()}],
+            tools=[WEATHER_TOOL], tool_choice=FORCED) as stream:
+        final = stream.get_final_completion()
+    _forced_calls(ctx, final, 1)
+
+
+@case("openai.stream_named_tool_n2")
+def openai_stream_named_n2(ctx):
+    with _openai(ctx).chat.completions.stream(
+            model="tiny", messages=[{"role": "user", "content": ctx.prompt()}],
+            tools=[WEATHER_TOOL], tool_choice=FORCED, n=2) as stream:
+        final = stream.get_final_completion()
+    _forced_calls(ctx, final, 2)
+
+
+@case("openai.stream_pydantic_function_tool")
+def openai_stream_pydantic_tool(ctx):
+    import openai
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        """Get the current weather in a city."""
+        city: str
+
+    with _openai(ctx).chat.completions.stream(
+            model="tiny", messages=[{"role": "user", "content": ctx.prompt()}],
+            tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")],
+            tool_choice=FORCED) as stream:
+        final = stream.get_final_completion()
+    call = _forced_calls(ctx, final, 1)[0]
+    equal(call.function.parsed_arguments, GetWeather.model_validate_json(ctx.last()["text"]),
+          "parsed_arguments")
+
+
 # --------------------------------------------------------------------------- openai-agents
 
 
@@ -386,6 +473,29 @@ def llama_stream(ctx):
     equal(got, ctx.last()["text"], "streamed text")
 
 
+# --------------------------------------------------------------------------- strands-agents
+
+
+@case("strands.structured_output_with_tool", "strands")
+def strands_structured(ctx):
+    from strands import Agent, tool
+    from strands.models.openai import OpenAIModel
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return ctx.get_weather(city)
+
+    model = OpenAIModel(client_args={"base_url": ctx.base, "api_key": "dummy"},
+                        model_id="tiny")
+    agent = Agent(model=model, tools=[get_weather], callback_handler=None)
+    result = agent(ctx.prompt(), structured_output_model=Report)
+    # the tool round first (the engine calls the first tool), then the forced output tool
+    check(ctx.calls and all(c == ctx.tool_call()["arguments"] for c in ctx.calls),
+          f"tool calls {ctx.calls}, engine asked for {ctx.tool_call()['arguments']}")
+    equal(result.structured_output, ctx.structured(), "structured output")
+
+
 # --------------------------------------------------------------------------- runner
 
 
@@ -449,7 +559,8 @@ def versions(group: str) -> dict:
                       "pydantic-ai-slim", "pydantic"),
              "instructor": ("openai", "instructor", "pydantic"),
              "llama": ("openai", "llama-index-llms-openai-like", "llama-index-core",
-                       "pydantic")}[group]
+                       "pydantic"),
+             "strands": ("openai", "strands-agents", "pydantic")}[group]
     return {n: md.version(n) for n in names}
 
 

@@ -44,6 +44,26 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
 TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+#: Tools whose parameters refer within themselves (issue 39): a JSON pointer, ``$defs`` below
+#: the top, an anchor; under ``required`` each is nested and its references rewritten.
+REFS_TOOLS = [
+    {"type": "function", "function": {"name": "pointer", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "enum": ["x", "y"]},
+                                         "b": {"$ref": "#/properties/a"}},
+        "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "nested_defs", "parameters": {
+        "type": "object", "properties": {"x": {
+            "type": "object", "$defs": {"In": {"type": "integer"}},
+            "properties": {"y": {"$ref": "#/properties/x/$defs/In"}}, "required": ["y"]}},
+        "required": ["x"]}}},
+    {"type": "function", "function": {"name": "anchored", "parameters": {
+        "type": "object", "$defs": {"T": {"$anchor": "flag", "type": "boolean"}},
+        "properties": {"t": {"$ref": "#flag"}}, "required": ["t"]}}},
+]
+#: A recursive tool ("#" inside it): outlines 0.0.46 builds no guide of recursion, named or
+#: under required alike (the probe reports what each path raises).
+RECURSIVE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
 REGEX = r"[a-c]{2}\d(x|yz)?"
 CHOICE = ["yes", "no", "maybe"]
 
@@ -51,7 +71,7 @@ CHOICE = ["yes", "no", "maybe"]
 USER = [{"role": "user", "content": "hi"}]
 
 
-def _required():
+def _required(tools=TOOLS):
     """``tool_choice: "required"`` as the front end serves it: the guided-decoding parameters
     the chat request class (the shim's, in these probes) gives, one schema accepting a call of
     any of the tools."""
@@ -60,18 +80,26 @@ def _required():
     import vllm.entrypoints.openai.serving_chat  # noqa: F401
     from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 
-    request = ChatCompletionRequest(model="tiny", messages=USER, tools=TOOLS,
+    request = ChatCompletionRequest(model="tiny", messages=USER, tools=tools,
                                     tool_choice="required")
     return request.to_sampling_params(64).guided_decoding
 
 
-def _calls_match_their_tools(value):
-    """Each call of a ``required`` answer: its parameters valid under its own tool's."""
-    import jsonschema
+def _calls_match(tools):
+    """A check that each call of a ``required`` answer has parameters valid under its own
+    tool's schema (as the tool was sent)."""
+    def check(value):
+        import jsonschema
 
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for call in value:
-        jsonschema.validate(call["parameters"], params[call["name"]])
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        for call in value:
+            jsonschema.validate(call["parameters"], params[call["name"]])
+    return check
+
+
+def _is_object(value):
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {value!r}")
 
 
 def _request_guides():
@@ -84,11 +112,43 @@ def _request_guides():
     named = ChatCompletionRequest(model="tiny", messages=USER, tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "get_weather"}})
     required = _required()
+    refs = _required(REFS_TOOLS)
+    empty = ChatCompletionRequest(model="tiny", messages=USER, response_format={
+        "type": "json_schema", "json_schema": {"name": "any", "schema": {}}})
+    bare = ChatCompletionRequest(model="tiny", messages=USER, tools=[
+        {"type": "function", "function": {"name": "ping"}}], tool_choice={
+        "type": "function", "function": {"name": "ping"}})
     return [("json_schema", schema_request.to_sampling_params(64).guided_decoding, ANSWER,
              None),
             ("named_tool", named.to_sampling_params(64).guided_decoding, WEATHER, None),
-            ("required", required, required.json if required else None,
-             _calls_match_their_tools)]
+            ("required", required, required.json if required else None, _calls_match(TOOLS)),
+            ("required_refs", refs, refs.json if refs else None, _calls_match(REFS_TOOLS)),
+            ("json_schema_empty", empty.to_sampling_params(64).guided_decoding, {},
+             _is_object),
+            ("named_tool_no_parameters", bare.to_sampling_params(64).guided_decoding, {},
+             _is_object)]
+
+
+def recursion():
+    """What outlines does with a recursive tool, named and under ``required``: the exception
+    type each build raises (or "built")."""
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from vllm.model_executor.guided_decoding import (
+        get_local_guided_decoding_logits_processor)
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(engine_harness.model_path())
+    named = ChatCompletionRequest(model="tiny", messages=USER, tools=[RECURSIVE], tool_choice={
+        "type": "function", "function": {"name": "tree"}}).to_sampling_params(64)
+    out = {}
+    for name, guided in (("named", named.guided_decoding), ("required", _required([RECURSIVE]))):
+        guided.backend = "outlines"
+        try:
+            get_local_guided_decoding_logits_processor(guided, tokenizer)
+            out[name] = "built"
+        except BaseException as exc:  # what the engine would meet
+            out[name] = type(exc).__name__
+    report(case="recursion", **out)
 
 
 def enforce():
@@ -131,10 +191,11 @@ def enforce():
                 if check is not None:
                     check(value)
                 valid.append(True)
-            except (ValueError, jsonschema.ValidationError) as exc:
+            except (ValueError, jsonschema.ValidationError, KeyError, TypeError) as exc:
                 valid.append(f"{type(exc).__name__}: {str(exc)[:200]}")
         report(case=name, schema=guided.json, processor=type(processor).__name__,
                texts=texts, valid=valid, steps=steps, build_s=round(build_s, 1))
+    recursion()
 
 
 def _digest(guide):
@@ -172,4 +233,4 @@ def guides():
 
 
 if __name__ == "__main__":
-    {"enforce": enforce, "guides": guides}[sys.argv[1]]()
+    {"enforce": enforce, "guides": guides, "recursion": recursion}[sys.argv[1]]()

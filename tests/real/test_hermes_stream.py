@@ -17,6 +17,12 @@ each call's arguments are a prefix of what the model wrote), and no ERROR in the
 
 With the shim (``hermes_tool_args`` and the hermes rows); vLLM 0.6.3 as released and the shim
 without ``hermes_tool_args`` (main before it) fail the named splits of ``NAMED``.
+
+On the same servers: a stream forced by a named ``tool_choice`` (row ``named_tool_stream``:
+per choice, id, type and name once on the first delta, later deltas only arguments, index 0,
+``finish_reason`` the engine's), and an unstreamed hermes call cut by ``max_tokens`` (row
+``hermes_cut_call``: the same answer, no ERROR, one INFO line; a malformed call still logs its
+ERROR).  vLLM 0.6.3 as released and the shim with those rows' kill switches show the faults.
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 START, END = "<tool_call>", "</tool_call>"
+#: args_off: the shim with the kill switches of the rows these tests prove (hermes_tool_args,
+#: named_tool_stream, hermes_cut_call), the other rows on.
 SERVERS = {"shim": {"VLLM_BI100_PATCH": "1"}, "stock": {"VLLM_BI100_PATCH": "0"},
-           "args_off": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_PATCH_DISABLE": "hermes_tool_args"}}
+           "args_off": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_PATCH_DISABLE":
+                        "hermes_tool_args,named_tool_stream,hermes_cut_call"}}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather",
                                          "parameters": {"type": "object"}}}
 
@@ -76,7 +85,8 @@ def _ready(name, proc, path, deadline):
                 if line.startswith(TAG):
                     info = json.loads(line[len(TAG):])
                     applied = info["applied"] or []
-                    assert ("hermes_tool_args" in applied) == (name == "shim"), (name, info)
+                    for row in ("hermes_tool_args", "named_tool_stream", "hermes_cut_call"):
+                        assert (row in applied) == (name == "shim"), (name, row, info)
                     return info["port"]
         if proc.poll() is not None or time.monotonic() > deadline:
             with open(path) as fh:
@@ -379,3 +389,120 @@ def test_every_split(servers):
         assert problems(servers["shim"], output, pieces, finish) == [], (output, pieces)
 
     check()
+
+
+# --- a stream forced by a named tool_choice (row named_tool_stream) -------------------------
+
+ARGUMENTS = ['{"', "city", '":', ' "', "Paris", '"}']
+
+
+def named(port, pieces, finish, n=1):
+    """The chunks of a streamed request forcing ``get_weather`` by name: per choice, its
+    tool-call deltas and its finish reasons."""
+    import httpx
+
+    with httpx.Client(timeout=60) as http:
+        key = http.post(f"http://127.0.0.1:{port}/standin/split",
+                        json={"pieces": pieces, "finish": finish}).json()["key"]
+        body = {"model": "tiny", "tools": [TOOL], "stream": True, "n": n,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "messages": [{"role": "user", "content": f"split:{key}"}]}
+        with http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                         json=body) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = [ln[len("data: "):] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    calls, finishes = {}, {}
+    for line in lines[:-1]:
+        for choice in json.loads(line).get("choices", ()):
+            index = choice["index"]
+            calls.setdefault(index, []).extend((choice.get("delta") or {}).get("tool_calls")
+                                               or ())
+            if choice.get("finish_reason"):
+                finishes.setdefault(index, []).append(choice["finish_reason"])
+    return calls, finishes
+
+
+def named_problems(calls, finishes, n, finish, arguments):
+    """What a client reading the stream finds wrong: [] when nothing."""
+    out = []
+    if sorted(calls) != list(range(n)):
+        out.append(f"choices with calls: {sorted(calls)}")
+    for choice, deltas in sorted(calls.items()):
+        first, rest = deltas[0], deltas[1:]
+        if not (first.get("id") and first.get("type") == "function"
+                and (first.get("function") or {}).get("name") == "get_weather"):
+            out.append(f"choice {choice}: first delta without id, type or name: {first}")
+        again = [d for d in rest if d.get("id") or d.get("type")
+                 or (d.get("function") or {}).get("name")]
+        if again:
+            out.append(f"choice {choice}: id, type or name sent again: {again[:2]}")
+        if {d.get("index") for d in deltas} != {0}:
+            out.append(f"choice {choice}: call indexes {[d.get('index') for d in deltas]}")
+        joined = "".join((d.get("function") or {}).get("arguments") or "" for d in deltas)
+        if joined != arguments:
+            out.append(f"choice {choice}: arguments {joined!r}, the model wrote {arguments!r}")
+        if finishes.get(choice) != [finish]:
+            out.append(f"choice {choice}: finish_reason {finishes.get(choice)}, not {finish}")
+    return out
+
+
+def test_named_tool_stream(servers):
+    """Each choice's forced call is streamed as OpenAI streams it with the shim (n=1 and 2,
+    whole and cut); vLLM 0.6.3 as released and the row's kill switch repeat the name, send no
+    id and give choice 1's call index 1."""
+    cases = {"whole": (ARGUMENTS, "stop", 1), "two_choices": (ARGUMENTS, "stop", 2),
+             "cut": (ARGUMENTS[:4], "length", 2)}
+    found = {}
+    for name in ("shim", "stock", "args_off"):
+        found[name] = {}
+        for case, (pieces, finish, n) in cases.items():
+            calls, finishes = named(servers[name], pieces, finish, n)
+            found[name][case] = named_problems(calls, finishes, n, finish, "".join(pieces))
+    assert found["shim"] == {case: [] for case in cases}, found["shim"]
+    for name in ("stock", "args_off"):
+        for case, (_, _, n) in cases.items():
+            text = " ".join(found[name][case])
+            assert "first delta without id" in text and "sent again" in text, (name, case)
+            assert ("call indexes [1" in text) == (n == 2), (name, case, text)
+
+
+# --- an unstreamed hermes call cut by max_tokens (row hermes_cut_call) -----------------------
+
+
+def shim_log(port):
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{port}/standin/shim_log", timeout=60).json()
+
+
+def test_cut_call_unstreamed(servers):
+    """A call cut inside its JSON: the same answer (the text, no calls, ``length``) with and
+    without the shim; 0.6.3 logs an ERROR with the JSONDecodeError, the shim one INFO line.
+    A closed call whose JSON is broken still logs 0.6.3's ERROR with the shim."""
+    cut = WEATHER.text[:WEATHER.text.index("Par") + 2]
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'
+    answers, logged, infos = {}, {}, {}
+    for name in ("shim", "stock", "args_off"):
+        port = servers[name]
+        errors_before, shim_before = len(errors(port)), len(shim_log(port))
+        status, body = post(port, every(cut, 3), "length", stream=False)
+        assert status == 200, body
+        choice = body["choices"][0]
+        answers[name] = (choice["message"]["content"], choice["message"]["tool_calls"],
+                         choice["finish_reason"])
+        logged[name] = errors(port)[errors_before:]
+        infos[name] = [r for r in shim_log(port)[shim_before:] if "hermes_cut_call" in
+                       r["message"]]
+        status, body = post(port, every(broken, 4), "stop", stream=False)
+        assert status == 200 and body["choices"][0]["message"]["tool_calls"] == [], body
+        malformed = errors(port)[errors_before + len(logged[name]):]
+        assert [r["message"] for r in malformed] == [
+            "Error in extracting tool call from response."], (name, malformed)
+    assert answers["shim"] == answers["stock"] == (cut, [], "length"), answers
+    assert logged["shim"] == [] and [r["level"] for r in infos["shim"]] == ["INFO"], (
+        logged["shim"], infos["shim"])
+    for name in ("stock", "args_off"):
+        assert [(r["message"], (r["exception"] or "").split(":")[0]) for r in logged[name]] == [
+            ("Error in extracting tool call from response.", "JSONDecodeError")], logged[name]
+        assert infos[name] == [], infos[name]

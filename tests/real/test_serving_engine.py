@@ -240,8 +240,14 @@ def test_the_server_answers_an_unbuildable_guide_with_a_400_and_runs_on(runs):
 
 def test_guided_decoding_enforces_schema_tool_and_required(runs):
     """0.6.3's own logits processors over random logits: every text parses and is valid
-    under its schema (json_schema, a forced tool, required)."""
-    for case in ("json_schema", "named_tool", "required"):
+    under its schema (json_schema, a forced tool, required).  Issue 39: under required, tools
+    whose schemas refer within themselves (a pointer, $defs below the top, an anchor) are
+    nested with their references rewritten, outlines builds the guide and each call is valid
+    under its own tool's schema; an empty json_schema and a named tool without parameters are
+    guided as JSON objects (0.6.3 alone: free text); a recursive tool gets no outlines guide,
+    named or required alike."""
+    for case in ("json_schema", "named_tool", "required", "required_refs", "json_schema_empty",
+                 "named_tool_no_parameters"):
         got = runs["enforce"][case]
         assert got["processor"] == "JSONLogitsProcessor", got
         assert got["valid"] == [True] * 5, got
@@ -249,6 +255,10 @@ def test_guided_decoding_enforces_schema_tool_and_required(runs):
     required = runs["enforce"]["required"]["schema"]  # the shim's chat row made it
     assert required["type"] == "array" and required["minItems"] == 1, required
     assert '"get_weather"' in json.dumps(required) and '"get_time"' in json.dumps(required)
+    refs = json.dumps(runs["enforce"]["required_refs"]["schema"])
+    assert '"#/items/anyOf/1/properties/parameters/properties/x/$defs/In"' in refs, refs
+    recursion = runs["enforce"]["recursion"]
+    assert recursion["named"] == recursion["required"] == "RecursionError", recursion
 
 
 def test_the_empty_airport_list_changes_no_guide(runs):

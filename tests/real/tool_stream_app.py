@@ -301,20 +301,29 @@ def late_cases(out):
 
 def serve():
     """Serve until stdin closes: one report line with the port; ``GET /standin/errors``: the
-    ERROR records logged so far (vLLM's logger does not propagate: it is hooked itself)."""
+    ERROR records logged so far (vLLM's logger does not propagate: it is hooked itself);
+    ``GET /standin/shim_log``: the shim's own records (``vllm.bi100_patch``, every level)."""
     import logging
 
-    errors = []
+    errors, shim_log = [], []
 
     class Errors(logging.Handler):
+        def __init__(self, level, into):
+            super().__init__(level)
+            self.into = into
+
         def emit(self, record):
             exc = record.exc_info[1] if record.exc_info else None
-            errors.append({"logger": record.name, "message": record.getMessage()[:500],
-                           "exception": None if exc is None else
-                           f"{type(exc).__name__}: {str(exc)[:300]}"})
+            self.into.append({"logger": record.name, "level": record.levelname,
+                              "message": record.getMessage()[:500],
+                              "exception": None if exc is None else
+                              f"{type(exc).__name__}: {str(exc)[:300]}"})
 
     async def standin_errors():
         return errors
+
+    async def standin_shim_log():
+        return shim_log
 
     async def standin_split(body: dict):
         key = str(len(SPLITS))
@@ -324,10 +333,14 @@ def serve():
     out, thread = build(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--max-num-seqs", "4"],
                         routes=[("/standin/errors", ["GET"], standin_errors),
+                                ("/standin/shim_log", ["GET"], standin_shim_log),
                                 ("/standin/split", ["POST"], standin_split)])
-    handler = Errors(logging.ERROR)  # after vLLM configured its loggers (at its import)
+    handler = Errors(logging.ERROR, errors)  # after vLLM configured its loggers (at import)
     for name in ("", "vllm", "uvicorn", "uvicorn.error", "fastapi"):
         logging.getLogger(name).addHandler(handler)
+    shim = logging.getLogger("vllm.bi100_patch")
+    shim.addHandler(Errors(logging.DEBUG, shim_log))
+    shim.setLevel(logging.DEBUG)
     try:
         import vllm_bi100_patch
 

@@ -13,7 +13,7 @@ import pytest
 
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.patching import registry, specs, table
-from vllm_bi100_patch.serving import chat_compat, completion_compat, request_body, seq_limit
+from vllm_bi100_patch.serving import chat_compat, completion_compat, refusal, request_body, seq_limit
 from vllm_bi100_patch.patching import patch_row
 
 ON = config.load({config.MODE: "1"})
@@ -98,7 +98,9 @@ def test_tools_and_tool_choice():
     none = rewrite(tools=[_tool()], tool_choice="none")
     assert "tools" not in none and "tool_choice" not in none  # vLLM 0.6.4
     named = {"type": "function", "function": {"name": "f"}}
-    assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [_tool()]
+    # the named tool's empty parameters are guided as an object with no properties (item 4)
+    assert rewrite(tools=[_tool(strict=True)], tool_choice=named)["tools"] == [
+        _tool(parameters={"type": "object", "properties": {}})]
     assert rewrite(tools=[_tool(strict=False)])["tools"] == [_tool()]
     # strict: true under automatic tool choice is served, as upstream serves it (0.6.5, #10463)
     assert rewrite(tools=[_tool(strict=True)], tool_choice="auto")["tools"] == [_tool()]
@@ -165,8 +167,10 @@ def test_deeply_nested_bodies_are_served_or_refused_by_name_never_a_crash():
     call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]}
     assert "nests deeper than this server parses" in refused(messages=[USER, call])
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(5000)}}
-    assert "nest deeper than this server compares" in refused(response_format=fmt,
-                                                              guided_json=_nested(5000))
+    assert "`guided_json` nests deeper than 64 levels" in refused(response_format=fmt,
+                                                                  guided_json=_nested(5000))
+    assert "`response_format.json_schema.schema` nests deeper than 64 levels" in refused(
+        response_format=fmt)
 
 
 def test_the_callers_body_is_never_changed():
@@ -230,7 +234,7 @@ def test_completions_usage_json_schema_and_harmless_fields(caplog):
     assert complete(response_format=fmt)[0]["guided_json"] == schema
     text = dict(fmt, json_schema={"name": "x", "schema": '{"type": "object"}'})
     assert complete(response_format=text)[0]["guided_json"] == schema
-    with pytest.raises(request_body.RequestRefused, match="two different schemas"):
+    with pytest.raises(refusal.RequestRefused, match="two different schemas"):
         complete(response_format=fmt, guided_json={"type": "array"})
     assert complete(response_format={"type": "json_object"}) == (
         {"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}}, False, None)

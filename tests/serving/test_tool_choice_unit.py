@@ -14,7 +14,7 @@ import pytest
 
 from vllm_bi100_patch.activation import config
 from vllm_bi100_patch.serving import chat_compat, tool_args, tool_calls, tool_choice
-from vllm_bi100_patch.serving.request_body import RequestRefused
+from vllm_bi100_patch.serving.refusal import RequestRefused
 
 FIELDS = frozenset({"messages", "model", "max_tokens", "tools", "tool_choice", "logprobs",
                     "top_logprobs", "response_format", "stream", "stream_options",
@@ -118,7 +118,7 @@ def test_required_is_one_guided_schema_of_upstreams_shape():
     assert changed and plan.required == ("get_weather", "final_result", "temp", "noargs")
     assert body["tool_choice"] == "auto"  # for 0.6.3's validators; attach() says "none"
     assert body["guided_json"] == {
-        "type": "array", "minItems": 1, "$defs": defs,
+        "type": "array", "minItems": 1,
         "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
                             "parameters": WEATHER}, "required": ["name", "parameters"]},
@@ -126,16 +126,21 @@ def test_required_is_one_guided_schema_of_upstreams_shape():
                             "parameters": TWO[1]["function"]["parameters"]},
              "required": ["name", "parameters"]},
             {"properties": {"name": {"type": "string", "enum": ["temp"]},
-                            "parameters": {"type": "object", "properties": {
-                                "unit": {"$ref": "#/$defs/Unit"}}}},
+                            "parameters": {"type": "object", "$defs": defs, "properties": {
+                                "unit": {"$ref": "#/items/anyOf/2/properties/parameters/$defs/"
+                                                 "Unit"}}}},
              "required": ["name", "parameters"]},
             {"properties": {"name": {"type": "string", "enum": ["noargs"]},
                             "parameters": {"type": "object", "properties": {}}},
              "required": ["name", "parameters"]}]}}
-    assert "$defs" in with_defs["function"]["parameters"]  # the request's tool is unchanged
-    other = tool("other", {"$defs": {"Unit": {"enum": ["k"]}}})
-    assert "defines 'Unit' differently" in refused(tools=[with_defs, other],
-                                                   tool_choice="required")
+    # the request's tool is unchanged
+    assert with_defs["function"]["parameters"]["properties"]["unit"] == {"$ref": "#/$defs/Unit"}
+    # two tools defining one name differently: each keeps its own (the shim before: a 400)
+    other = tool("other", {"$defs": {"Unit": {"enum": ["k"]}}, "properties": {
+        "u": {"$ref": "#/$defs/Unit"}}})
+    body, _, _ = rewrite(tools=[with_defs, other], tool_choice="required")
+    assert body["guided_json"]["items"]["anyOf"][1]["properties"]["parameters"]["properties"][
+        "u"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/Unit"}
     request = types.SimpleNamespace(tool_choice="auto")
     plan.attach(request)
     assert request.tool_choice == "none" and request._vllm_bi100_plan is plan
@@ -232,13 +237,13 @@ def _response(text, finish="stop"):
 
 def test_the_whole_answer_to_required_becomes_tool_calls():
     plan = tool_choice.ToolPlan(("get_weather", "final_result"), {})
-    out = tool_calls._full(_response(CALLS), plan)
+    out = tool_calls._full(_response(CALLS), plan, [])
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_weather", '{"city": "Paris"}'), ("final_result", '{"a": 1}')]
     assert all(c.id.startswith("chatcmpl-tool-") for c in choice.message.tool_calls)
-    cut = tool_calls._full(_response(CALLS[:70], "length"), plan).choices[0]
+    cut = tool_calls._full(_response(CALLS[:70], "length"), plan, []).choices[0]
     assert cut.finish_reason == "length" and cut.message.content == CUT
     assert len(cut.message.tool_calls) == 1
 
@@ -312,3 +317,34 @@ def test_the_calls_row_is_not_needed_where_the_chat_row_is_disabled():
     assert "row chat_request_compat is disabled" in tool_calls.tool_calls_needed(
         types.ModuleType("m"), off)
     assert chat_compat.tool_calls_live() is False  # no serving_chat here
+
+
+def test_strict_checks_run_off_the_event_loop(monkeypatch):
+    """Issue 39: a strict check may take up to its time budget; it runs in the check threads,
+    never on the event loop that serves every other request (whole answers and streams)."""
+    import asyncio
+    import threading
+
+    threads = []
+    monkeypatch.setattr(tool_args, "check_calls",
+                        lambda *a: threads.append(threading.current_thread().name))
+    plan = tool_choice.ToolPlan(("get_weather", "final_result"), {"get_weather": WEATHER})
+
+    async def whole():
+        async def answer():
+            return _response(CALLS)
+        return await tool_calls._served(answer(), plan)
+
+    async def streamed():
+        async def pieces():
+            for line in _chunks([CALLS[:40], CALLS[40:]]):
+                yield line
+        async def answer():
+            return pieces()
+        return [line async for line in await tool_calls._served(answer(), plan)]
+
+    out = asyncio.run(whole())
+    assert out.choices[0].finish_reason == "tool_calls"
+    lines = asyncio.run(streamed())
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert len(threads) == 2 and all(t.startswith("vllm-bi100-strict-check") for t in threads)

@@ -1,5 +1,5 @@
 """One row of the patch table (``patch_row.Patch``), the row kinds and the vLLM modules the rows
-target: a module of its own so that the table and its row groups (``_rows_serving``) share it.
+target: a module of its own so that the table and its row groups (``rows_serving``) share it.
 
 Imported at interpreter start by the bootstrap: stdlib only, no typing, no torch, no vLLM.
 """

@@ -1,8 +1,8 @@
 """The serving rows of the patch table (``table.PATCHES``) for the engines' request intake,
-guided decoding and streamed tool calls of vLLM 0.6.3 (``serving/async_engine.py``,
-``serving/llm_batch.py``, ``guided_imports.py``, ``serving/guided.py``,
-``serving/tool_stream.py``; docs/serving-compat.md).  Data only, read at interpreter start:
-stdlib only.
+guided decoding and tool calls of vLLM 0.6.3 (``serving/async_engine.py``,
+``serving/llm_batch.py``, ``serving/guided_imports.py``, ``serving/guided.py``,
+``serving/tool_stream.py``, ``serving/named_stream.py``, ``serving/hermes_cut.py``;
+docs/serving-compat.md).  Data only, read at interpreter start: stdlib only.
 """
 
 from __future__ import annotations
@@ -152,6 +152,41 @@ ROWS: Tuple[Patch, ...] = (
                  "0.6.x (0.6.6.post1 still `continue`s)",
         removal="when the oldest vLLM the shim supports sends the finish chunk itself"),
     Patch(
+        "named_tool_stream", WRAP_INSTANCE,
+        SERVING_CHAT + ":OpenAIServingChat.chat_completion_stream_generator",
+        "vllm_bi100_patch.serving.tool_stream:make_stream_wrapper",
+        params="code:vllm_bi100_patch.serving.tool_stream:check_stream", when=_ON_063,
+        counters=("named_tool_stream",),
+        why="a streamed tool call forced by a named `tool_choice` (`{\"type\": \"function\", "
+            "\"function\": {\"name\": ...}}`) repeats the name in every delta, has no `id` "
+            "and no `type`, and with `n` > 1 gives choice 1's call `index: 1`: the openai "
+            "SDK's `chat.completions.stream()` joins the name over and over with `id=None` "
+            "(a strict `pydantic_function_tool` gets no `parsed_arguments`, `n=2` an "
+            "`IndexError`), LangChain's streamed `with_structured_output(method="
+            "\"function_calling\")` and `bind_tools(tool_choice=...)` find an unknown tool "
+            "`WeatherWeather...`, strands-agents' structured output finds no call id",
+        how="the chunks of such a stream are rewritten (`serving/named_stream.py`): per "
+            "choice, the call's first delta carries an `id` (`chatcmpl-tool-...`), `\"type\": "
+            "\"function\"` and the name, later deltas only the arguments (their text "
+            "untouched), `index` 0 (the call's index within its choice); `finish_reason` as "
+            "0.6.3 sends it (the engine's: `stop`, `length` when cut; upstream and OpenAI "
+            "answer a named call with `stop`); other requests' chunks are not read. The "
+            "rewriting runs in the wrapper `stream_finish_reason` installs on the same method "
+            "(one wrapper, installed by whichever of the two rows is enabled, doing what each "
+            "enabled row does); only where the method has one of the code shapes it was "
+            "checked against (0.6.3.post1's, the vendored CoreX tree's)",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
+             "`serving_chat.py`; driven through vLLM's own OpenAI server app on 0.6.3.post1 "
+             "and on the stand-in, which has the vendor's file; proven with the openai SDK, "
+             "LangChain and strands-agents); not applied on other releases",
+        upstream="later vLLM sends the name with an id and type once (the "
+                 "`function_name_returned` flags of `serving_chat.py`'s named branch, `index` "
+                 "still the choice's); pull request #41876 (2026) streams named and required "
+                 "`tool_choice` through one parser (name and id once on the first tool-call "
+                 "chunk)",
+        removal="when the oldest vLLM the shim supports streams a named call with its id "
+                "once and index 0"),
+    Patch(
         "hermes_tool_args", WRAP_INSTANCE,
         SERVING_CHAT + ":OpenAIServingChat._should_check_for_unstreamed_tool_arg_tokens",
         "vllm_bi100_patch.serving.hermes_args:make_finish_wrapper",
@@ -189,4 +224,28 @@ ROWS: Tuple[Patch, ...] = (
                  "into the parsers; #39615, arguments blanked when a call comes in one delta, "
                  "closed); the hermes parser's rewrite: #51937 (open)",
         removal="when the oldest vLLM the shim supports streams hermes arguments as written"),
+    Patch(
+        "hermes_cut_call", WRAP_INSTANCE, HERMES + ":Hermes2ProToolParser.extract_tool_calls",
+        "vllm_bi100_patch.serving.hermes_cut:make_wrapper",
+        params="code:vllm_bi100_patch.serving.hermes_cut:check", when=_ON_063,
+        counters=("hermes_cut_call",),
+        why="with `--tool-call-parser hermes`, an unstreamed answer whose tool call was cut by "
+            "`max_tokens` is right (the output as content, `tool_calls: []`, `finish_reason: "
+            "\"length\"`), but the parser logs `ERROR Error in extracting tool call from "
+            "response` with a `JSONDecodeError` traceback (CoreX 3.2.3's vendored parser: the "
+            "ERROR line with its message) for every such request: a normal truncation fills "
+            "the operator's log with errors",
+        how="where the output's last `<tool_call>` is unclosed, the text after it is empty or "
+            "an unfinished JSON document (closing its string and brackets makes it JSON) and "
+            "every closed call before it is a JSON object with a name and arguments, the "
+            "parser's answer for it (no calls, the whole output as content) is given without "
+            "calling it, with one INFO line; every other output goes to the original, so a "
+            "malformed call (broken JSON in a closed call, text after a call's JSON) still "
+            "logs 0.6.3's ERROR; only where the method has one of the code shapes it was "
+            "checked against (0.6.3.post1's, the vendored CoreX tree's)",
+        vllm=_VLLM_063.format(what="OpenAI server app (`--enable-auto-tool-choice "
+                                   "--tool-call-parser hermes`), unstreamed"),
+        upstream="none in 0.6.x; later vLLM's hermes parser still logs the exception "
+                 "(`logger.exception(\"Error in extracting tool call from response.\")`)",
+        removal="when the oldest vLLM the shim supports reads a cut call without an error"),
 )

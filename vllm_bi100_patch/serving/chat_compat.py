@@ -35,7 +35,7 @@ from ..patching.versions import Family
 from ..patching import code_shapes
 from . import request_body, tool_choice
 from ..patching.factories import counter
-from .request_body import RequestRefused, shown
+from .refusal import RequestRefused, shown
 
 OWNER = "ChatCompletionRequest"
 ENDPOINT = "chat"
@@ -192,6 +192,7 @@ def rewrite(data: Dict[str, Any], fields: FrozenSet[str], message_keys: FrozenSe
         del data["top_logprobs"]  # zero alternatives of no logprobs: nothing to return
     changed |= request_body.stream_options(data, IGNORED_CALLS, ENDPOINT)
     changed |= _messages(data, message_keys)
+    changed |= request_body.guided_json(data)
     watched = ("tools", "tool_choice", "guided_json")
     seen = [data.get(k) for k in watched]
     plan = tool_choice.tools(data, serve_required)

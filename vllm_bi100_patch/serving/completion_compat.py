@@ -44,6 +44,7 @@ def rewrite(data: Dict[str, Any], fields: FrozenSet[str]) -> Tuple[Dict[str, Any
     changed = request_body.drop_ignored(data, fields, request_body.IGNORED_BOTH,
                                         IGNORED_CALLS, ENDPOINT)
     changed |= request_body.stream_options(data, IGNORED_CALLS, ENDPOINT)
+    changed |= request_body.guided_json(data)
     changed |= request_body.response_format(data)
     return data, changed, None
 

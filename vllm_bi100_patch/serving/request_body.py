@@ -1,11 +1,9 @@
 """What the OpenAI request rows share (``chat_request_compat``: ``serving/chat_compat.py``,
 ``completion_request_compat``: ``serving/completion_compat.py``; docs/serving-compat.md).
 
-- ``RequestRefused``: a body the server cannot serve as asked (a ``ValueError``: pydantic turns
-  it into the 400 vLLM's validation handler answers, naming what the client sent);
 - ``warn_once``: the once-per-process WARNING for a field or key that is dropped, over a bounded
   set of names: the names this module knows are warned about one by one, names a client made up
-  (message keys) under one capped bucket, every name escaped (``shown``) so that a body can
+  (message keys) under one capped bucket, every name escaped (``refusal.shown``) so that a body can
   never write a line of its own into the log;
 - the mappings both endpoints make: the fields that change nothing a self-hosted server does,
   ``stream_options``, ``response_format: json_schema`` -> ``guided_json`` (its schema given as
@@ -29,21 +27,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from ..activation.log import log
 from ..patching.counting.counters import Counter
-
-
-class RequestRefused(ValueError):
-    """A body the server cannot serve as asked (pydantic turns it into a 400 naming it)."""
-
-
-#: The longest text of a client's value a message or a log line shows (``shown``).
-SHOWN_CHARS = 80
-
-
-def shown(value: Any) -> str:
-    """``value`` as a log-safe text: ``ascii()`` (quotes, escapes every newline and non-ASCII
-    character), cut to ``SHOWN_CHARS``."""
-    text = ascii(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+from .refusal import RequestRefused, shown
 
 
 #: Names made up by clients (message keys no message type has) warned about one by one, at
@@ -161,7 +145,11 @@ def same(a: Any, b: Any, what: str) -> bool:
 def response_format(data: Dict[str, Any]) -> bool:
     """``response_format: {"type": "json_schema", ...}`` -> ``guided_json`` (vLLM 0.6.4,
     #9530), its schema given as an object or as JSON text (parsed; the format then holds the
-    object too).  A ``guided_json`` beside it must be the same schema (object or text)."""
+    object too).  A ``guided_json`` beside it must be the same schema (object or text).  Every
+    client schema guided here is checked (``client_schema.check``: resolved only within itself,
+    within limits), and an empty one is guided as a JSON object (``client_schema.guided``)."""
+    from . import client_schema
+
     fmt = data.get("response_format")
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         return False
@@ -175,14 +163,44 @@ def response_format(data: Dict[str, Any]) -> bool:
     schema = json_object(spec["schema"], "response_format.json_schema.schema")
     if schema is not spec["schema"]:
         data["response_format"] = dict(fmt, json_schema=dict(spec, schema=schema))
+    client_schema.check(schema, "response_format.json_schema.schema")
     guided = data.get("guided_json")
     if guided is not None:
         other = json_object(guided, "guided_json")
-        if not same(other, schema, "`guided_json` and `response_format.json_schema.schema`"):
+        if not same(other, schema, "`guided_json` and `response_format.json_schema.schema`") \
+                and not same(other, client_schema.guided(schema), "`guided_json`"):
             raise RequestRefused("`guided_json` and `response_format.json_schema` give two "
                                  "different schemas")
-    data["guided_json"] = schema  # vLLM 0.6.4 (#9530): the schema is enforced
+    data["guided_json"] = client_schema.guided(schema)  # vLLM 0.6.4 (#9530): enforced
     return True
+
+
+def guided_json(data: Dict[str, Any]) -> bool:
+    """A client's own ``guided_json`` (an object, or JSON text of one) checked
+    (``client_schema.check``); ``{}`` guided as a JSON object.  Whether it changed."""
+    from . import client_schema
+
+    guided = data.get("guided_json")
+    if isinstance(guided, str):
+        try:
+            parsed = json.loads(guided)
+        except ValueError:
+            return False  # 0.6.3's guided decoding refuses it by name
+        except RecursionError:
+            raise RequestRefused("`guided_json` nests deeper than this server parses") from None
+        if not isinstance(parsed, dict):
+            return False
+        client_schema.check(parsed, "guided_json")
+        if not parsed:
+            data["guided_json"] = client_schema.guided(parsed)
+            return True
+        return False
+    if isinstance(guided, dict):
+        client_schema.check(guided, "guided_json")
+        if not guided:
+            data["guided_json"] = client_schema.guided(guided)
+            return True
+    return False
 
 
 #: What vLLM 0.6.3's own validators raise on some malformed bodies (a 500 there, pydantic
@@ -208,8 +226,11 @@ def request_class(original: Any, mapping: Mapping, counter: Counter) -> type:
         def _vllm_bi100_compat(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
             plan = None
             if isinstance(data, dict):
+                from . import client_schema
+
                 try:
-                    data, changed, plan = mapping(data)
+                    with client_schema.request():
+                        data, changed, plan = mapping(data)
                 except RecursionError:
                     raise RequestRefused("the request body nests deeper than this server "
                                          "handles") from None
@@ -251,6 +272,6 @@ def field_names(original: Any) -> frozenset:
 
 
 __all__: List[str] = ["CRASHES", "IGNORED_BOTH", "RequestRefused", "drop_ignored",
-                      "field_names", "json_object", "plan_of", "request_class",
+                      "field_names", "guided_json", "json_object", "plan_of", "request_class",
                       "response_format", "reset_warnings", "same", "shown", "stream_options",
                       "warn_once"]

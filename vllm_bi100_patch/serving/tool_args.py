@@ -10,7 +10,10 @@
   true``): a violation is one WARNING naming the request and the tool (escaped) and one count
   of ``tool_arguments_invalid`` (the series ``vllm_bi100:tool_arguments_invalid_total``); where
   no check can be made (jsonschema missing, a schema it cannot read, arguments nested too
-  deep) one count of ``tool_arguments_unchecked`` and a WARNING once per cause.
+  deep, the check over its time budget: ``strict_schema``) one count of
+  ``tool_arguments_unchecked`` and a WARNING once per cause.  The schema is applied as data
+  only: nothing is retrieved, patterns run under the budget (``strict_schema``), the formats
+  OpenAI's strict mode lists are checked (``json_formats``).
 
 jsonschema is a dependency of vLLM 0.6.3's own (outlines, mistral_common), imported when a
 call is first checked.  Never imports vLLM.
@@ -25,7 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..activation.log import log
 from ..patching.strict import warn_once
 from ..patching.factories import counter
-from .request_body import shown
+from . import json_formats, strict_schema
+from .refusal import shown
 
 INVALID = counter("tool_arguments_invalid")
 UNCHECKED = counter("tool_arguments_unchecked")
@@ -111,28 +115,43 @@ class CallArray:
         return calls, rest, complete
 
 
-def _violation(value: Any, schema: Any) -> Tuple[Optional[str], Optional[str]]:
-    """(what in ``value`` breaks ``schema``, why no check could be made); both None: valid."""
+def _violation(value: Any, schema: Any, until: float) -> Tuple[Optional[str], Optional[str]]:
+    """(what in ``value`` breaks ``schema``, why no check could be made); both None: valid.
+    The schema is applied as data only (``strict_schema``: no retrieval, patterns under the
+    time budget, OpenAI's formats), until ``until`` (``time.monotonic()``)."""
     try:
-        import jsonschema
+        import jsonschema  # noqa: F401
     except ImportError:
         return None, "jsonschema is not installed"
     try:
-        validator = jsonschema.validators.validator_for(schema)(schema)
-        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        error = strict_schema.violation(value, schema, until)
+    except strict_schema.OverBudget:
+        return None, (f"over budget: the check took more than {strict_schema.BUDGET_S} s (a "
+                      "pattern or schema that costly to apply)")
+    except strict_schema.Unchecked as exc:
+        return None, str(exc)
     except RecursionError:
         return None, "a schema or arguments nested deeper than the check recurses"
     except Exception as exc:  # a schema jsonschema cannot use: never fail the answer
         return None, f"a schema jsonschema cannot use ({type(exc).__name__})"
+    unknown, _, _ = strict_schema.scan(schema)
+    if unknown:
+        warn_once("tool call arguments are checked against the formats OpenAI's strict mode "
+                  f"lists ({', '.join(json_formats.FORMATS)}); any other `format` of a strict "
+                  "tool's schema is not checked (logged once per process)")
     if error is None:
         return None, None
     where = "/".join(str(p) for p in error.absolute_path) or "the top level"
     return f"{error.message} (at {where})", None
 
 
-def check_call(request_id: str, name: str, arguments: Optional[str], schema: Any) -> bool:
-    """Check one call's ``arguments`` (JSON text) against its tool's ``schema``; log and count
-    a violation.  True when valid (or not checkable)."""
+def check_call(request_id: str, name: str, arguments: Optional[str], schema: Any,
+               until: Optional[float] = None) -> bool:
+    """Check one call's ``arguments`` (JSON text) against its tool's ``schema`` within the
+    check's time budget (until ``until``, ``time.monotonic()``; default: a budget of its own);
+    log and count a violation.  True when valid (or not checkable).  It can take up to the
+    budget: callers on an event loop run it in a thread (``tool_calls``)."""
+    until = strict_schema.deadline() if until is None else until
     try:
         value = json.loads(arguments or "")
     except ValueError as exc:
@@ -144,7 +163,7 @@ def check_call(request_id: str, name: str, arguments: Optional[str], schema: Any
                   "against their schema (counted in tool_arguments_unchecked)")
         return True
     else:
-        problem, unchecked = _violation(value, schema)
+        problem, unchecked = _violation(value, schema, until)
         if unchecked is not None:
             UNCHECKED.add()
             warn_once(f"tool call arguments not checked against their schema: {unchecked} "
@@ -161,10 +180,12 @@ def check_call(request_id: str, name: str, arguments: Optional[str], schema: Any
 
 def check_calls(request_id: str, calls: Sequence[Tuple[Optional[str], Optional[str]]],
                 strict: Dict[str, Any]) -> None:
-    """``check_call`` every call (name, arguments) of a strict tool."""
+    """``check_call`` every call (name, arguments) of a strict tool, all within one time
+    budget (``strict_schema.BUDGET_S``)."""
+    until = strict_schema.deadline()
     for name, arguments in calls:
         if name is not None and name in strict:
-            check_call(request_id, name, arguments, strict[name])
+            check_call(request_id, name, arguments, strict[name], until)
 
 
 def malformed(request_id: str, text: str, finish_reason: Optional[str]) -> None:

@@ -17,7 +17,9 @@ With one, the answer 0.6.3 built (a ``ChatCompletionResponse``, or the stream of
 - tools sent with ``strict: true``: every call of such a tool in the answer (the tool parser's
   under automatic tool choice, 0.6.3's named-tool call, the required calls), streamed or not,
   is checked against the tool's schema when its choice finishes (``tool_args.check_call``: a
-  violation is logged with the request id and tool, and counted).  The answer is not changed:
+  violation is logged with the request id and tool, and counted), in a thread of its own
+  (``_off_loop``: a check may take up to its time budget, the event loop serves every other
+  request meanwhile).  The answer is not changed:
   upstream serves strict tools under automatic tool choice unchecked.
 
 Never imports vLLM: the response classes are read from the response's own module.
@@ -25,8 +27,12 @@ Never imports vLLM: the response classes are read from the response's own module
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 import sys
+import threading
 import types
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
@@ -91,7 +97,9 @@ def _all_calls(names: Tuple[str, ...], text: str) -> Tuple[List[Tuple[str, str]]
     return calls + more, rest, complete
 
 
-def _full(response: Any, plan: Any) -> Any:
+def _full(response: Any, plan: Any, checks: List[Callable[[], None]]) -> Any:
+    """The answer rewritten for ``plan``; its strict checks appended to ``checks`` (run off
+    the event loop by the caller)."""
     protocol = sys.modules[type(response).__module__]
     for choice in response.choices:
         message = choice.message
@@ -106,9 +114,33 @@ def _full(response: Any, plan: Any) -> Any:
             elif choice.finish_reason != "length":
                 tool_args.malformed(response.id, rest, choice.finish_reason)
         if plan.strict:
-            tool_args.check_calls(response.id, [(c.function.name, c.function.arguments)
-                                                for c in message.tool_calls], plan.strict)
+            checks.append(functools.partial(
+                tool_args.check_calls, response.id, [(c.function.name, c.function.arguments)
+                                                     for c in message.tool_calls], plan.strict))
     return response
+
+
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+#: Threads that run strict checks (each within ``strict_schema.BUDGET_S``).
+CHECK_THREADS = 4
+
+
+async def _off_loop(checks: List[Callable[[], None]]) -> None:
+    """Run the strict checks in the check threads: a check may take up to its time budget,
+    and the event loop serves every other request meanwhile (their patterns run with the GIL
+    released)."""
+    global _pool
+    if not checks:
+        return
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                CHECK_THREADS, thread_name_prefix="vllm-bi100-strict-check")
+    pending = list(checks)
+    checks.clear()
+    await asyncio.get_running_loop().run_in_executor(
+        _pool, lambda: [check() for check in pending])
 
 
 # --- the stream --------------------------------------------------------------------------
@@ -138,6 +170,7 @@ class _Stream:
         self.choices: Dict[int, _Choice] = {}
         self.request_id = ""
         self.last: Optional[Dict[str, Any]] = None  # the latest chunk (for a closing one)
+        self.checks: List[Callable[[], None]] = []  # strict checks to run off the loop
 
     def line(self, piece: str) -> List[str]:
         if not piece.startswith("data: "):
@@ -207,8 +240,9 @@ class _Stream:
         if not state.done:
             state.done = True
             if self.plan.strict:
-                tool_args.check_calls(self.request_id, [(c[0], c[1]) for c in state.calls.values()],
-                                      self.plan.strict)
+                self.checks.append(functools.partial(
+                    tool_args.check_calls, self.request_id,
+                    [(c[0], c[1]) for c in state.calls.values()], self.plan.strict))
 
     def end(self) -> List[str]:
         """Before ``[DONE]``: what a choice that never finished still holds (the stream was
@@ -239,7 +273,9 @@ class _Stream:
 async def _stream(pieces: AsyncIterator[str], plan: Any) -> AsyncIterator[str]:
     stream = _Stream(plan)
     async for piece in pieces:
-        for out in stream.line(piece):
+        outs = stream.line(piece)
+        await _off_loop(stream.checks)
+        for out in outs:
             yield out
 
 
@@ -248,7 +284,10 @@ async def _served(answer: Any, plan: Any) -> Any:
     if hasattr(result, "__aiter__"):
         return _stream(result, plan)
     if type(result).__name__ == "ChatCompletionResponse":
-        return _full(result, plan)
+        checks: List[Callable[[], None]] = []
+        result = _full(result, plan, checks)
+        await _off_loop(checks)
+        return result
     return result  # an error response
 
 

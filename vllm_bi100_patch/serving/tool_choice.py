@@ -16,16 +16,20 @@ tool fields onto those, in place, and returns the ``ToolPlan`` that row ``chat_t
 - "required" -> ``guided_json`` = one schema accepting a call of any of the tools, the shape of
   upstream's (vLLM pull request #13483, ``_get_guided_json_from_tool``): an array of at least
   one ``{"name": <that tool's name>, "parameters": <that tool's schema>}``, each tool's
-  ``$defs`` (and ``definitions``) moved to the top where ``#/$defs/...`` references resolve;
+  schema nested with its internal references rewritten to resolve as in its own schema
+  (``client_schema.nested``); every tool's schema ``client_schema.check``ed first;
   ``parallel_tool_calls: false`` adds ``maxItems: 1``;
   the validated request then says "none" to 0.6.3 (the answer is plain text to it, no tool
   parser needed) and the plan says ``required`` (row ``chat_tool_calls`` turns the text into
   ``tool_calls``);
 - ``strict``: true or false (or null) accepted and dropped from the body (0.6.3's function
   definition has no such field; upstream accepts it from 0.6.5, #10463); the strict tools'
-  schemas go into the plan: every call of one of them that the server returns is checked
-  against its schema (a violation logged and counted); a forced tool (named, required) is
-  enforced by guided decoding as well.  Any other value of ``strict`` is a 400 naming it.
+  schemas (``client_schema.check``ed) go into the plan: every call of one of them that the
+  server returns is checked against its schema (a violation logged and counted); a forced
+  tool (named, required) is enforced by guided decoding as well.  Any other value of
+  ``strict`` is a 400 naming it;
+- a named tool: its schema ``client_schema.check``ed; without parameters (or ``{}``) it gets
+  upstream's empty object, so that 0.6.3 guides its call (a falsy schema guides nothing);
 - a forced tool beside ``guided_json`` or a ``json_schema`` response format: a 400 (0.6.3
   silently let the tool's parameters replace the schema).
 
@@ -36,11 +40,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from .request_body import RequestRefused, same, shown
+from . import client_schema
+from .refusal import RequestRefused, shown
 
 MODES = ("auto", "required")
-#: The definitions sections a tool's schema may keep its references' targets in.
-DEFS = ("$defs", "definitions")
 CHOICES = ('"none", "auto", "required", {"type": "function", "function": {"name": ...}}, '
            '{"type": "function", "name": ...} or {"type": "allowed_tools", "allowed_tools": '
            '{"mode": "auto" or "required", "tools": [...]}}')
@@ -163,45 +166,59 @@ def _strict(data: Dict[str, Any]) -> Dict[str, Any]:
                                  f"{shown(value)}")
         if value:
             params = fn.get("parameters")
+            if params is not None:
+                client_schema.check(params, f"tools[{i}].function.parameters")
             out[fn["name"]] = params if isinstance(params, dict) else {"type": "object"}
         new[i] = dict(tool, function={k: v for k, v in fn.items() if k != "strict"})
     data["tools"] = new
     return out
 
 
-def _hoisted(params: Any, defs: Dict[str, Dict[str, Any]], i: int) -> Dict[str, Any]:
-    """A tool's parameters for the calls' schema, its definitions moved into ``defs``."""
-    if not isinstance(params, dict) or not params:
-        return {"type": "object", "properties": {}}  # upstream: an empty object then
-    own = {k: v for k, v in params.items() if k not in DEFS}
-    for key in DEFS:
-        section = params.get(key)
-        if not isinstance(section, dict):
-            continue
-        target = defs.setdefault(key, {})
-        for name, schema in section.items():
-            if name in target and not same(target[name], schema, f"the definitions {name!r}"):
-                raise RequestRefused(f"`tools[{i}].function.parameters.{key}` defines "
-                                     f"{shown(name)} differently from an earlier tool: "
-                                     "tool_choice \"required\" needs one definition per name")
-            target[name] = schema
-    return own
+#: A tool's parameters when it has none (or ``{}``): upstream's empty object.
+NO_PARAMETERS: Dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _parameters(params: Any) -> Dict[str, Any]:
+    return params if isinstance(params, dict) and params else dict(NO_PARAMETERS)
 
 
 def required_schema(tools: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One JSON schema accepting a call of any of ``tools``: the shape of upstream's for
-    ``tool_choice: "required"`` (vLLM pull request #13483)."""
-    defs: Dict[str, Dict[str, Any]] = {}
+    ``tool_choice: "required"`` (vLLM pull request #13483).  Each tool's schema is nested where
+    its internal references still resolve to what they did in it
+    (``client_schema.nested``)."""
     variants = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
+        params = client_schema.nested(_parameters(fn.get("parameters")),
+                                      f"/items/anyOf/{i}/properties/parameters", f"t{i}")
         variants.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                                        "parameters": _hoisted(fn.get("parameters"), defs, i)},
+                                        "parameters": params},
                          "required": ["name", "parameters"]})
-    schema: Dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"type": "object", "anyOf": variants}}
-    schema.update((key, section) for key, section in defs.items() if section)
-    return schema
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+
+
+def _checked(tools: List[Dict[str, Any]], names: Any) -> None:
+    """``client_schema.check`` the parameters of the tools named (every tool: None)."""
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if (names is None or fn["name"] in names) and fn.get("parameters") is not None:
+            client_schema.check(fn["parameters"], f"tools[{i}].function.parameters")
+
+
+def _named_parameters(data: Dict[str, Any], name: str) -> None:
+    """The named tool without parameters (or ``{}``) gets upstream's empty object, so that
+    0.6.3 guides its call (it guides nothing for a falsy schema: free text)."""
+    tools = data.get("tools")
+    if not isinstance(tools, list):
+        return
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn["name"] == name and not fn.get("parameters"):
+            new = list(tools)
+            new[i] = dict(tool, function=dict(fn, parameters=dict(NO_PARAMETERS)))
+            data["tools"] = new
+            return
 
 
 def _forced_beside(data: Dict[str, Any], what: str) -> None:
@@ -241,6 +258,7 @@ def tools(data: Dict[str, Any], serve_required: bool) -> Optional[ToolPlan]:
                                  "guided answer into tool_calls); name the tool in "
                                  "`tool_choice` or use \"auto\"")
         _forced_beside(data, "`tool_choice: \"required\"`")
+        _checked(data["tools"], None)
         data["guided_json"] = required_schema(data["tools"])
         if data.get("parallel_tool_calls") is False:
             data["guided_json"]["maxItems"] = 1  # one call only, as OpenAI defines it
@@ -248,6 +266,10 @@ def tools(data: Dict[str, Any], serve_required: bool) -> Optional[ToolPlan]:
         return ToolPlan(tuple(_names(data["tools"])), strict)
     if isinstance(choice, dict):
         _forced_beside(data, "a named `tool_choice`")
+        name = choice["function"]["name"]
+        if isinstance(data.get("tools"), list):
+            _checked(data["tools"], (name,))
+        _named_parameters(data, name)
     return ToolPlan(None, strict) if strict else None
 
 

@@ -27,6 +27,10 @@ Catalogue entries: rows ``hermes_tool_start`` and ``stream_finish_reason`` of
   error chunk is left as it is.  On CoreX 3.2.3's vendored file (vLLM 0.6.2's usage code) the
   final usage chunk counts the last choice's tokens only; with ``n`` > 1 the wrapper writes the
   sum of every choice's tokens there, as 0.6.3.post1 counts.
+- ``named_tool_stream`` (``named_stream.py``): the same wrapper rewrites the chunks of a stream
+  forced by a named ``tool_choice`` (id and type once, the name once, index 0).  Both rows
+  target this one method: the wrapper is installed by whichever of them is enabled first and
+  does what each enabled row does (``VLLM_BI100_PATCH_DISABLE`` names either alone).
 
 Never imports vLLM.
 """
@@ -41,7 +45,7 @@ from ..activation import config
 from ..activation.log import log
 from ..patching.versions import Family
 from ..patching import code_shapes
-from . import hermes_args
+from . import hermes_args, named_stream
 from ..patching.factories import ArgReader, Wrapper, counter
 
 STARTS = counter("hermes_tool_start")
@@ -165,6 +169,8 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
     choice_type = module.ChatCompletionResponseStreamChoice
     delta_type = module.DeltaMessage
     usage_type = module.UsageInfo
+    finish_on = "stream_finish_reason" not in settings.disabled
+    named_on = "named_tool_stream" not in settings.disabled
 
     def finish_chunks(watch: _Watch, request: Any) -> str:
         out = []
@@ -229,11 +235,19 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
                                          args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         values = reader.read(args, kwargs)
         request, results = values[0], values[1]
+        name = named_stream.forced_name(request) if named_on else None
+        rewrite = named_stream.Rewrite(name) if name is not None else None
+        if not finish_on:
+            if rewrite is None:
+                return wrapped(*args, **kwargs)
+            return _named(rewrite, wrapped(*values))
         watch = _Watch()
         values[1] = watch.outputs(results)
 
         async def stream() -> AsyncIterator[str]:
             async for data in wrapped(*values):
+                if rewrite is not None:
+                    data = rewrite.line(data)
                 usage = data.startswith('data: {"id"') and '"choices":[]' in data
                 if usage or data.startswith("data: [DONE]"):
                     extra = finish_chunks(watch, request)
@@ -249,3 +263,9 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
         return stream()
 
     return chat_completion_stream_generator
+
+
+async def _named(rewrite: "named_stream.Rewrite", pieces: AsyncIterator[str]
+                 ) -> AsyncIterator[str]:
+    async for data in pieces:
+        yield rewrite.line(data)
