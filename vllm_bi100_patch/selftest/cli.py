@@ -8,8 +8,9 @@ known hazard: no Triton, no native V1 above its limit, no vendor flash attention
 check is the shim's own kernel), and it stays inside a memory limit it measures first.
 
 Exit status: 0 every check passed (skips allowed), 1 a check failed, 4 refused (not enough
-free memory for the smallest case), 2 a usage error (argparse).  docs/selftest.md explains
-every number.
+free memory for the smallest case), 5 the card did not answer in time (a wedged card: the first
+contact and the run are child processes under hard time-outs; docs/operating.md), 2 a usage
+error (argparse).  docs/selftest.md explains every number.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def parser() -> argparse.ArgumentParser:
                         "of the free memory it measures)")
     r.add_argument("--time-limit", type=float, help="seconds (default 300; quick 90): no "
                    "case starts after it")
+    r.add_argument("--contact-timeout", type=float, metavar="S", help="seconds for the first "
+                   "contact with the card, a child process (default VLLM_BI100_CONTACT_TIMEOUT_S, "
+                   "15); past it: a wedged card, exit 5")
+    r.add_argument("--hard-limit", type=float, metavar="S", help="seconds the run itself, a "
+                   "child process on a card, may take before it is stopped (default 2 x "
+                   "--time-limit + 60); past it: a wedged card, exit 5")
     r.add_argument("--no-native", action="store_true", help="do not look for vLLM's kernels")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout")
     r.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
