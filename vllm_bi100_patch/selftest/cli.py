@@ -251,7 +251,8 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
                                         v1_limit, settings.decode_fallback_above)
     out["prefill"] = plan.prefill(rows, shape.layers, shape.max_len, a.chunk_size)
     out["crossover"] = plan.crossover(rows)
-    out["calibration"] = dict(plan.calibration(rows), model=_model_note(rows))
+    out["calibration"] = dict(plan.calibration(rows), model=_model_note(rows),
+                              fitted_model=_fitted_note())
     out["recommendations"] = plan.recommendations(rows, out["prefill"], v1_limit, budget,
                                                   settings.decode_fallback_above)
     out["ok"] = all(c["ok"] is not False for c in out["checks"])
@@ -281,6 +282,13 @@ def _model_note(rows: Sequence[Dict[str, Any]]) -> str:
     ratios.sort()
     return (f"{m.bandwidth / 1e9:,.0f} GB/s, {m.launch_s * 1e6:.0f} us per launch; measured / "
             f"modelled {ratios[len(ratios) // 2]:.2f} (median)")
+
+
+def _fitted_note() -> Dict[str, Any]:
+    """The calibrated model's constants (``projected_ms`` of every counted row)."""
+    from .calibrated import load
+
+    return load().as_dict()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
