@@ -3,11 +3,6 @@
 Each section is a list of ``(state, name, detail)`` checks; the verdict is
 ``decision.verdict`` (the one outcome type) from what the sections found.  The exit codes are
 listed in ``python -m vllm_bi100_patch --help``.
-
-Doctor never touches a device in its own process: where one may exist, its first contact is a
-child process under ``VLLM_BI100_CONTACT_TIMEOUT_S`` (``selftest.contact``), whose facts the
-rest of doctor reads (``hardware.remember``); a card that does not answer is a ``FAIL`` in the
-hardware section, one line after the verdict, and exit status 5.
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import (_bootstrap, advice, config, decision, doctor_serving, hardware, invariance,
-               status, versions)
+from . import (_bootstrap, advice, config, decision, doctor_device, doctor_serving, hardware,
+               invariance, status, versions)
 from ._version import __version__
 
 #: (state, name, detail); state is "ok", "FAIL", "WARN", "info" or "hint" (advice).
@@ -263,9 +258,8 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     family = versions.family_for(info)
     sections = [_config_section(settings), _vllm_section(info, family),
                 _hardware_section(info)]
-    contact = _contact_check(settings)
-    if contact is not None:
-        sections[2].checks.append(contact)
+    contact = doctor_device.contact_checks(settings)  # a child process: never the device here
+    sections[2].checks += contact
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
@@ -277,8 +271,8 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
         checked, code_problems, conditional, would = _patch_sections(settings, family)
         invariance_at = len(sections) + 1  # right after the code checks it is derived from
         sections += checked
-        if contact is None:  # torch is imported now (paged_attn is)
-            sections[2].checks.append(_device_check())
+        if not contact:  # torch is imported now (paged_attn is)
+            sections[2].checks.append(doctor_device.device_check())
     elif family is None and info.raw is not None and _bootstrap.state()["active"]:
         try:  # what a server process sees: the version check at the import of vLLM
             import vllm  # noqa: F401
@@ -321,41 +315,6 @@ def _hardware_section(info: versions.VersionInfo) -> Section:
     return section
 
 
-#: Name of the hardware section's first-contact check.
-CONTACT = "device (first contact)"
-
-
-def _contact_check(settings: config.Settings) -> Optional[Check]:
-    """The device's first contact, in a child process under the contact time-out (None where
-    no device can exist, or torch is not installed); its facts are all doctor reads of the
-    device afterwards."""
-    from .selftest import contact
-
-    if not hardware.findable("torch") or not contact.device_may_exist():
-        return None
-    seen = contact.probe(0, float(settings.contact_timeout_s))
-    facts = seen.facts
-    hardware.remember({"device_name": facts.get("name"), "sm_count": facts.get("sm_count"),
-                       "iluvatar": bool(facts.get("iluvatar"))})
-    if seen.wedged:
-        return ("FAIL", CONTACT, seen.line("doctor").split(": ", 1)[1])
-    if seen.error is not None:
-        return ("WARN", CONTACT, f"the probe failed: {seen.error}")
-    if not seen.cuda:
-        return ("info", CONTACT, "no CUDA device visible to torch")
-    MiB = 1 << 20
-    return ("ok", CONTACT, f"cuda:0 {facts.get('name')} ({facts.get('sm_count')} SMs): "
-            f"{facts.get('free', 0) / MiB:,.0f} MiB free of {facts.get('total', 0) / MiB:,.0f} "
-            f"MiB, a small product synchronised, in {seen.seconds:.1f} s (a child process; "
-            f"time-out {seen.timeout_s:g} s)")
-
-
-def _device_check() -> Check:
-    facts = hardware.device_facts()
-    return ("info", "device", f"{facts['device_name']} ({facts['sm_count']} SMs)"
-            if facts.get("device_name") else "no CUDA device visible to torch")
-
-
 def _patch_sections(settings: config.Settings, family: versions.Family
                     ) -> Tuple[List[Section], List[str], List[str], Dict[str, Any]]:
     """What the shim would do with this vLLM: the code checks (importing the target modules,
@@ -382,13 +341,6 @@ def run() -> int:
     for section in sections:
         print(section.render())
     print(result.line())
-    wedged = [detail for section in sections for state, name, detail in section.checks
-              if name == CONTACT and state == "FAIL"]
-    if wedged:
-        from .selftest.contact import EXIT_WEDGED
-
-        print(f"vllm-bi100-patch doctor: {wedged[0]}")
-        return EXIT_WEDGED
-    return result.code
+    return doctor_device.exit_code([c for s in sections for c in s.checks], result.code)
 
 
