@@ -89,7 +89,7 @@ def test_doctor_exit_codes_and_server_check_are_documented():
     from vllm_bi100_patch import __main__ as cli
 
     text = _readme()
-    for code in (cli.EXIT_OK, cli.EXIT_WONT_PATCH, cli.EXIT_CONFIG):
+    for code in (cli.EXIT_OK, cli.EXIT_WONT_PATCH, cli.EXIT_CONFIG, cli.EXIT_WEDGED):
         assert re.search(rf"^\| {code} \| ", text, re.M), code
     assert "<vllm-bi100-patch wrapper of PagedAttention.forward_decode (vLLM" in text
     assert "vllm-bi100-patch active: vLLM" in text

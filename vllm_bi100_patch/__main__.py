@@ -9,7 +9,8 @@
   selftest        the shim measured on this machine's device: correctness checks, decode and
                   prefix timings at the model's shape, the projection and the settings that
                   follow (needs torch; `selftest --help`; docs/selftest.md); exit 0 passed,
-                  1 a check failed, 4 refused (not enough free memory)
+                  1 a check failed, 4 refused (not enough free memory), 5 a wedged card (the
+                  device did not answer in time)
   env-table       the README's table of environment variables
   versions-table  the README's table of supported vLLM versions
 
@@ -19,6 +20,8 @@ doctor exit codes:
   1  the configuration asks for patching but the shim will not patch here (vLLM not
      installed, unsupported version, failed code check, no activation path)
   3  a VLLM_BI100_* variable holds an invalid value (the shim ignores it: fix it)
+  5  a wedged card: the device did not answer its first contact (a child process) within
+     VLLM_BI100_CONTACT_TIMEOUT_S; only a host restart recovers it (docs/operating.md)
   (2 is argparse's: a usage error)
 """
 
@@ -37,12 +40,13 @@ from ._version import __version__
 from .patching.decision import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the README documents them
 from .patching.decision import EXIT_OK as EXIT_OK
 from .patching.decision import EXIT_WONT_PATCH as EXIT_WONT_PATCH
+from .ops.selftest.contact import EXIT_WEDGED as EXIT_WEDGED
 
 
 def main(argv: Any = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["selftest"]:  # its own options (torch imported only here)
-        from .ops.selftest.cli import main as selftest_main
+    if args_list[:1] == ["selftest"]:  # its own options (torch imported only past the guard)
+        from .ops.selftest.guarded import main as selftest_main
 
         return selftest_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="vllm-bi100-patch", description=__doc__,

@@ -303,3 +303,27 @@ def test_selftest_imports_no_vllm_and_the_status_command_no_torch():
     code = ("import sys, vllm_bi100_patch.__main__, vllm_bi100_patch.ops.selftest;"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_timing_rows_carry_the_calibrated_model_beside_the_measurement(capsys, monkeypatch):
+    """The projected column comes from the constants that ship with the package: with
+    distinctive constants (1 ms per launch, every byte and FLOP free) each counted row's
+    ``projected_ms`` is its launch count in milliseconds, and the table prints it."""
+    from vllm_bi100_patch.ops.selftest import calibrated, fitted
+
+    shipped = calibrated.load()
+    assert shipped.launch_s > 0 and set(shipped.bandwidth) == set(calibrated.CLASSES)
+    monkeypatch.setattr(fitted, "CONSTANTS", {
+        "launch_us": 1000.0, "bandwidth_gb_per_s": dict.fromkeys(calibrated.CLASSES, 1e12),
+        "tflops": 1e9, "source": "test"})
+    rc, out, _ = _json(capsys, SMALL)
+    assert rc == 0
+    for t in out["timings"]:
+        assert t["projected_ms"] == pytest.approx(t["launches"], rel=1e-6), t
+        assert t["ms"] > 0  # the measurement is kept beside it
+    assert out["calibration"]["fitted_model"]["launch_us"] == 1000.0
+    rc = cli_main.main(["selftest", *SMALL])
+    table = capsys.readouterr().out
+    assert rc == 0 and "| kernel | route | tokens | ms | projected ms | launches |" in table
+    assert "projected ms: the model calibrated on BI-V100's published timings, 1000.00 us" \
+        in table

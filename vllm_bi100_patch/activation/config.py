@@ -35,6 +35,7 @@ V1_MAX_SEQ_LEN = "VLLM_BI100_V1_MAX_SEQ_LEN"
 DENSE_HEAD_MAX = "VLLM_BI100_DENSE_HEAD_MAX"
 METRICS_INTERVAL = "VLLM_BI100_METRICS_INTERVAL_S"
 PROMPT_ATTENTION = "VLLM_BI100_PROMPT_ATTENTION"
+CONTACT_TIMEOUT = "VLLM_BI100_CONTACT_TIMEOUT_S"
 
 #: ``Settings.prompt_attention``: the shim computes prompts only where the vendor kernel fails,
 #: or every prompt (so that cached and uncached prompts give bit-identical attention rows).
@@ -113,6 +114,11 @@ VARIABLES: Tuple[Variable, ...] = (
              "prefix attention row is the shim's and bit-identical however vLLM slices the "
              "prompt (uncached or a prefix-cache hit, any chunk size); slower than a fused "
              "kernel (`docs/same-prompt.md`)."),
+    Variable(CONTACT_TIMEOUT, "15", "integer >= 1",
+             "Seconds `selftest` and `doctor` give their first contact with the device (a child "
+             "process: `import torch`, `mem_get_info`, one small product) before they call the "
+             "card wedged, stop the child and exit 5 (`docs/operating.md`, \"A wedged card\"); "
+             "`selftest` then runs its own work in a child under `--hard-limit`."),
 )
 
 
@@ -121,7 +127,8 @@ class Settings:
 
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
-                 "dense_head_max", "metrics_interval_s", "prompt_attention", "errors", "raw")
+                 "dense_head_max", "metrics_interval_s", "prompt_attention", "contact_timeout_s",
+                 "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
@@ -129,7 +136,8 @@ class Settings:
                  sm_occupancy: int = 1, subscription: int = 5,
                  v1_max_seq_len: Optional[int] = None, dense_head_max: int = 128,
                  metrics_interval_s: int = 5, prompt_attention: str = PROMPT_AUTO,
-                 errors: Tuple[str, ...] = (), raw: Optional[Mapping[str, str]] = None) -> None:
+                 contact_timeout_s: int = 15, errors: Tuple[str, ...] = (),
+                 raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
         self.strict = strict
@@ -143,6 +151,7 @@ class Settings:
         self.dense_head_max = dense_head_max
         self.metrics_interval_s = metrics_interval_s
         self.prompt_attention = prompt_attention
+        self.contact_timeout_s = contact_timeout_s
         self.errors = errors
         #: Every VLLM_BI100_* variable that was set, exactly as given.
         self.raw: Dict[str, str] = dict(raw or {})
@@ -249,6 +258,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     DENSE_HEAD_MAX: ("dense_head_max", _int_parser(1)),
     METRICS_INTERVAL: ("metrics_interval_s", _int_parser(0)),
     PROMPT_ATTENTION: ("prompt_attention", _parse_prompt),
+    CONTACT_TIMEOUT: ("contact_timeout_s", _int_parser(1)),
 }
 
 

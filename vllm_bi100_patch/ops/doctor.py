@@ -17,7 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..activation import bootstrap, config
-from . import advice, doctor_serving, invariance
+from . import advice, doctor_device, doctor_serving, invariance
 from ..patching import decision, hardware, versions
 from .status import status
 from .._version import __version__
@@ -266,6 +266,8 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
     family = versions.family_for(info)
     sections = [_config_section(settings), _vllm_section(info, family),
                 _hardware_section(info)]
+    contact = doctor_device.contact_checks(settings)  # a child process: never the device here
+    sections[2].checks += contact
     paths = _activation_paths()
     sections.append(Section("activation paths (at least one must work)", paths))
     sections.append(Section("metrics (vLLM's /metrics)", metrics_checks(settings, info)))
@@ -277,7 +279,8 @@ def doctor_sections() -> Tuple[List[Section], decision.Decision]:
         checked, code_problems, conditional, would = _patch_sections(settings, family)
         invariance_at = len(sections) + 1  # right after the code checks it is derived from
         sections += checked
-        sections[2].checks.append(_device_check())  # torch is imported now (paged_attn is)
+        if not contact:  # torch is imported now (paged_attn is)
+            sections[2].checks.append(doctor_device.device_check())
     elif family is None and info.raw is not None and bootstrap.state()["active"]:
         try:  # what a server process sees: the version check at the import of vLLM
             import vllm  # noqa: F401
@@ -320,12 +323,6 @@ def _hardware_section(info: versions.VersionInfo) -> Section:
     return section
 
 
-def _device_check() -> Check:
-    facts = hardware.device_facts()
-    return ("info", "device", f"{facts['device_name']} ({facts['sm_count']} SMs)"
-            if facts.get("device_name") else "no CUDA device visible to torch")
-
-
 def _patch_sections(settings: config.Settings, family: versions.Family
                     ) -> Tuple[List[Section], List[str], List[str], Dict[str, Any]]:
     """What the shim would do with this vLLM: the code checks (importing the target modules,
@@ -353,6 +350,6 @@ def run() -> int:
     for section in sections:
         print(section.render())
     print(result.line())
-    return result.code
+    return doctor_device.exit_code([c for s in sections for c in s.checks], result.code)
 
 

@@ -3,7 +3,9 @@
 ``cheap_detection()`` runs at interpreter start and imports nothing heavy: it looks for the
 ``ixformer`` package without importing it, and for a ``+corex`` torch in the name of its
 ``dist-info`` directory.
-``device_facts()`` is called only once torch is already imported (from the patch layer).
+``device_facts()`` is called only once torch is already imported (from the patch layer);
+``remember()`` gives it facts read elsewhere (doctor's first contact, a child process under a
+time-out), so that a process that must not touch the device (doctor) never does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ if TYPE_CHECKING:
     from typing import Dict, Optional
 
 BI_V100_SM_COUNT = 16
+#: Facts read by a child process (``remember``); None: read them from torch when asked.
+_remembered = None  # type: Optional[Dict[str, object]]
 
 
 def findable(name: str) -> bool:
@@ -61,8 +65,17 @@ def looks_like_iluvatar() -> bool:
     return facts["ixformer"] or facts["torch_corex"]
 
 
+def remember(facts: Dict[str, object]) -> None:
+    """From now on ``device_facts()`` returns ``facts`` and never touches the device."""
+    global _remembered
+    _remembered = dict(facts)
+
+
 def device_facts() -> Dict[str, object]:
-    """Device name and SM count of cuda:0, read only when torch is already imported."""
+    """Device name and SM count of cuda:0, read only when torch is already imported (or the
+    facts given to ``remember``)."""
+    if _remembered is not None:
+        return dict(_remembered)
     facts: Dict[str, object] = {"device_name": None, "sm_count": None, "iluvatar": False}
     torch = sys.modules.get("torch")
     if torch is None:

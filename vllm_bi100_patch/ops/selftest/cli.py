@@ -8,8 +8,9 @@ known hazard: no Triton, no native V1 above its limit, no vendor flash attention
 check is the shim's own kernel), and it stays inside a memory limit it measures first.
 
 Exit status: 0 every check passed (skips allowed), 1 a check failed, 4 refused (not enough
-free memory for the smallest case), 2 a usage error (argparse).  docs/selftest.md explains
-every number.
+free memory for the smallest case), 5 the card did not answer in time (a wedged card: the first
+contact and the run are child processes under hard time-outs; docs/operating.md), 2 a usage
+error (argparse).  docs/selftest.md explains every number.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
                         "of the free memory it measures)")
     r.add_argument("--time-limit", type=float, help="seconds (default 300; quick 90): no "
                    "case starts after it")
+    r.add_argument("--contact-timeout", type=float, metavar="S", help="seconds for the first "
+                   "contact with the card, a child process (default VLLM_BI100_CONTACT_TIMEOUT_S, "
+                   "15); past it: a wedged card, exit 5")
+    r.add_argument("--hard-limit", type=float, metavar="S", help="seconds the run itself, a "
+                   "child process on a card, may take before it is stopped (default 2 x "
+                   "--time-limit + 60); past it: a wedged card, exit 5")
     r.add_argument("--no-native", action="store_true", help="do not look for vLLM's kernels")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout")
     r.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
@@ -245,7 +252,8 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
                                         v1_limit, settings.decode_fallback_above)
     out["prefill"] = plan.prefill(rows, shape.layers, shape.max_len, a.chunk_size)
     out["crossover"] = plan.crossover(rows)
-    out["calibration"] = dict(plan.calibration(rows), model=_model_note(rows))
+    out["calibration"] = dict(plan.calibration(rows), model=_model_note(rows),
+                              fitted_model=_fitted_note())
     out["recommendations"] = plan.recommendations(rows, out["prefill"], v1_limit, budget,
                                                   settings.decode_fallback_above)
     out["ok"] = all(c["ok"] is not False for c in out["checks"])
@@ -275,6 +283,13 @@ def _model_note(rows: Sequence[Dict[str, Any]]) -> str:
     ratios.sort()
     return (f"{m.bandwidth / 1e9:,.0f} GB/s, {m.launch_s * 1e6:.0f} us per launch; measured / "
             f"modelled {ratios[len(ratios) // 2]:.2f} (median)")
+
+
+def _fitted_note() -> Dict[str, Any]:
+    """The calibrated model's constants (``projected_ms`` of every counted row)."""
+    from .calibrated import load
+
+    return load().as_dict()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

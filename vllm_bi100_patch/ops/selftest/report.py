@@ -45,12 +45,14 @@ def table(report: Dict[str, Any]) -> str:
                    [[p["kernel"], p["variant"], p["dtype"], p["row"], _fmt(p["error"], ".2e"),
                      _fmt(p["reference"], ".2e"), _fmt(p["ratio"], ".2f")]
                     for p in report["precision"]])
-    out += ["", "## timings (median per call, one layer)"]
-    out += _md(["kernel", "route", "tokens", "ms", "launches", "MiB moved", "GB/s",
-                "account"],
+    out += ["", "## timings (median per call, one layer; projected: the BI-V100 model "
+            "calibrated on the card's published measurements, for this call's account)"]
+    out += _md(["kernel", "route", "tokens", "ms", "projected ms", "launches", "MiB moved",
+                "GB/s", "account"],
                [[t["kernel"], t["route"], _fmt(t["tokens"]), _fmt(t["ms"], ".3f"),
-                 _fmt(t["launches"]), _fmt((t["bytes"] or 0) / 2**20, ".1f"),
-                 _fmt(t.get("gb_per_s"), ".1f"), t["account"]] for t in report["timings"]])
+                 _fmt(t.get("projected_ms"), ".3f"), _fmt(t["launches"]),
+                 _fmt((t["bytes"] or 0) / 2**20, ".1f"), _fmt(t.get("gb_per_s"), ".1f"),
+                 t["account"]] for t in report["timings"]])
     for skip in report.get("not_run", []):
         out.append(f"not run: {skip['kernel']} {skip['route']} {skip['tokens']:,} tokens "
                    f"({skip['why']})")
@@ -58,8 +60,15 @@ def table(report: Dict[str, Any]) -> str:
     out += ["", f"calibration (counted rows: {c['rows']}): effective "
             f"{_fmt(c['effective_gb_per_s'], '.1f')} GB/s (median); fitted "
             f"{_fmt(c['bandwidth_gb_per_s'], '.1f')} GB/s and {_fmt(c['launch_us'], '.1f')} "
-            f"us per launch; BI-V100 model: {c['model']}", "",
-            "## projection: decode, one sequence, attention only"]
+            f"us per launch; BI-V100 model: {c['model']}"]
+    f = c.get("fitted_model")
+    if f:
+        bw = f["bandwidth_gb_per_s"]
+        out.append(f"projected ms: the model calibrated on BI-V100's published timings, "
+                   f"{f['launch_us']:.2f} us per launch, GB/s " + ", ".join(
+                       f"{k} {v:,.0f}" for k, v in bw.items()) + f", {f['tflops']:.1f} "
+                   "TFLOP/s (docs/performance.md)")
+    out += ["", "## projection: decode, one sequence, attention only"]
     out += _md(["tokens", "route", "ms per layer", "ms per token (all layers)",
                 "tokens/s bound", "source"],
                [[_fmt(p["tokens"]), p["route"], _fmt(p["layer_ms"], ".3f"),

@@ -4,8 +4,10 @@ account, inside a memory limit and a time limit.
 - clock: medians of ``repeats`` calls after one warm-up; CUDA events on a GPU (each call
   between two events, synchronised once), ``time.perf_counter`` on CPU;
 - account: every timed call is counted once more under ``account.Account`` (launches, bytes:
-  the device-independent account of the benchmark); a native kernel counts as one launch
-  moving the minimal bytes (the cache it reads, the query and output);
+  the device-independent account of the benchmark), and the BI-V100 model calibrated on the
+  card's published measurements gives its ``projected_ms`` (``calibrated``; None for a native
+  kernel, which counts as one launch moving the minimal bytes: the cache it reads, the query
+  and output);
 - memory: a case whose cache plus the kernels' working set (``budget_mb``) exceeds
   ``memory_limit`` is not run (its row says why); on CUDA the peak is read back
   (``peak_mib``);
@@ -123,14 +125,19 @@ def prefix_case(shape: Shape, context: int, chunk: int, device: torch.device, se
             ints([0, chunk]), ints([context + chunk]), ints([context]))
 
 
-def _account(fn: Callable[[], Any]) -> Dict[str, Optional[int]]:
+def _account(fn: Callable[[], Any]) -> Dict[str, Any]:
+    """The call's account, and the calibrated BI-V100 model's time for it (``projected_ms``:
+    ``calibrated.load()``, the constants that ship with the package)."""
     try:
         from .account import Account
     except ImportError:  # pragma: no cover - a torch without the dispatch-mode API
-        return {"launches": None, "bytes": None, "host_reads": None}
+        return {"launches": None, "bytes": None, "host_reads": None, "projected_ms": None}
+    from . import calibrated
+
     with Account() as acc:
         fn()
-    return {"launches": acc.launches, "bytes": acc.bytes, "host_reads": acc.host_reads}
+    return {"launches": acc.launches, "bytes": acc.bytes, "host_reads": acc.host_reads,
+            "projected_ms": calibrated.load().predict(acc.log) * 1e3}
 
 
 class Recorder:
@@ -157,7 +164,7 @@ class Recorder:
         return why is None
 
     def _row(self, kernel: str, route: str, tokens: int, fn: Callable[[], Any],
-             account: Optional[Dict[str, Optional[int]]] = None, **extra: Any) -> None:
+             account: Optional[Dict[str, Any]] = None, **extra: Any) -> None:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -182,7 +189,7 @@ class Recorder:
         self._row("decode", "fallback", tokens, lambda: paged_decode(
             q, kc, vc, bt, sl, self.scale, max_seq_len=tokens, budget_mb=self.plan.budget_mb))
         if v1 is not None and tokens <= v1.limit:
-            minimal = {"launches": 1, "host_reads": 0, "bytes": cache_bytes(
+            minimal = {"launches": 1, "host_reads": 0, "projected_ms": None, "bytes": cache_bytes(
                 self.shape, tokens) + 2 * q.numel() * q.element_size()}
             self._row("decode", "native_v1", tokens,
                       lambda: v1.call(q, kc, vc, bt, sl, tokens, self.scale), minimal)
