@@ -92,9 +92,10 @@ def test_selftest_table_and_exit_1_when_a_check_fails(capsys, monkeypatch):
 
 
 def test_selftest_reports_the_logit_precision_rows(capsys):
-    """Issue 34's rows (logit std 1-30, sinks 10-200) at the model's shape in the GPU
-    formulation: decode, prefix and dense, each within twice the float32-score reference,
-    in the JSON's ``precision`` section and the table's."""
+    """Issue 34's rows (logit std 1-30, sinks 10-200) and issue 41's two worst diffuse rows
+    at the model's shape in the GPU formulation: decode, prefix and dense, then the diffuse
+    rows on the prefix after 16,384 tokens (``--quick``), each within twice the
+    float32-score reference, in the JSON's ``precision`` section and the table's."""
     argv = [a for a in SMALL if not a.startswith("check_") and a != "--check"]
     argv += ["--check", "check_logit_precision", "--quick", "--formulation", "gpu",
              "--lengths", "256", "--contexts", "0"]
@@ -103,7 +104,9 @@ def test_selftest_reports_the_logit_precision_rows(capsys):
     rows = out["precision"]
     assert [(r["kernel"], r["row"]) for r in rows[:3]] == [
         ("decode", "sigma 1"), ("prefix", "sigma 1"), ("dense", "sigma 1")]
-    assert len(rows) == 3 * 8 and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert len(rows) == 3 * 10 + 2 and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert [(r["kernel"], r["variant"], r["row"]) for r in rows[-2:]] == [
+        ("prefix", "ctx 16384", "diffuse0.1 4.5"), ("prefix", "ctx 16384", "diffuse0.3 3")]
     assert all(0 < r["error"] and r["ratio"] <= 2.0 for r in rows), rows
     rc = cli_main.main(["selftest", *argv])
     text = capsys.readouterr().out

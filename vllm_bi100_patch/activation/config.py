@@ -80,8 +80,9 @@ VARIABLES: Tuple[Variable, ...] = (
              "Peak extra memory (MiB) each pure-PyTorch kernel (decode, prefix, dense prompt) may "
              "use per call; work is tiled to stay under it, whatever the context length, down to "
              "each kernel's minimum working set: for the prompt kernels a row's scores over its "
-             "whole context (2 bytes x query heads per key on GPUs, 2 MiB at 262,144 keys and 4 "
-             "heads) beside one key tile's staged K/V; for decode on GPUs its products' fixed "
+             "whole context or its sliding window (on GPUs with their residuals: 4 bytes x query "
+             "heads per key in float16, 8 in bfloat16, 4 MiB at 262,144 keys and 4 heads in "
+             "float16) beside one key tile's staged K/V; for decode on GPUs its products' fixed "
              "chunk (up to 32 MiB of gathered keys) beside one sequence (at the field's shape, "
              "4/1 heads of 256 in float16: about 36 MiB at 4,096 tokens, 41 MiB at 131,072). A "
              "budget below it runs over it, with a WARNING naming it."),

@@ -81,7 +81,7 @@ def _prompt_least(heads, kv, d, dtype, budget_mb, end, window=None, gathered=Tru
     work = _common.work_dtype(dtype, torch.device("cpu"))
     til = _plan.tiling(heads, kv, d, 16, work, budget_mb * MiB, window=window,
                        gpu=_common.compute_mode(torch.device("cpu")) == "native")
-    return _plan.minimum_working_set(til, kv, d, end, gathered)
+    return _plan.minimum_working_set(til, kv, d, end, gathered, window)
 
 
 def _check(peak, least, budget_mb, caplog, what):

@@ -23,7 +23,7 @@ from ...attention.kernels import _common, decode, paged_decode, paged_prefix
 from ...attention.kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
-from .precision import MAX_RATIO, precision_rows
+from .precision import DIFFUSE_ROWS, MAX_RATIO, ROWS, precision_rows
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
                         make_tables, prefix_inputs, ref_decode, ref_prefix, rel_error)
 from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
@@ -36,6 +36,8 @@ DTYPES: Optional[Sequence[torch.dtype]] = None
 SHAPE: Tuple[int, int, int] = (4, 1, 128)
 #: ``selftest --quick``: fewer precision variants.
 QUICK = False
+#: The long context of ``check_logit_precision``'s diffuse rows (``--quick``: the shorter).
+LONG_CONTEXT, LONG_CONTEXT_QUICK = 131072, 16384
 #: The rows of the last ``check_logit_precision`` (``selftest``'s ``precision`` section).
 PRECISION_ROWS: List[Dict[str, Any]] = []
 
@@ -150,24 +152,34 @@ def check_gqa_window_alibi(device: torch.device) -> None:
 
 
 def check_logit_precision(device: torch.device) -> None:
-    """Issue 34's rows (logit std 1, 5, 10, 30; sinks 10-200 above std-1 logits) in each half
-    dtype: decode over 4,096 tokens, the prefix (512 cached + 256 new; keys in one group and,
-    but with ``--quick``, under a 1 MiB budget in several) and the dense kernel, at the
-    model's per-rank shape: the median error against float64 at most twice the float32-score
-    reference's (what vLLM's CUDA kernel computes).  The rows are the report's ``precision``
-    section."""
+    """Issue 34's rows (logit std 1, 5, 10, 30; sinks 10-200 above std-1 logits) and issue
+    41's diffuse rows (a bulk of logits of std 0.1 or 0.3, one key 3, 4.5 or 7 above it; with
+    ``--quick`` the two the issue measured worst) in each half dtype: decode over 4,096
+    tokens, the prefix (512 cached + 256 new; keys in one group and, but with ``--quick``,
+    under a 1 MiB budget in several) and the dense kernel; then the diffuse rows on the
+    prefix after a long context (8 new tokens after 131,072; 16,384 with ``--quick``), all
+    at the model's per-rank shape: the median error against float64 at most twice the
+    float32-score reference's (what vLLM's CUDA kernel computes).  The rows are the
+    report's ``precision`` section (a long context's variant reads ``ctx 131072``)."""
     halves = [d for d in _dtypes(device) if d != torch.float32]
     if not halves:
         raise Skip("no half-precision dtype to check")
     heads, kv, head_size = SHAPE
+    diffuse = (DIFFUSE_ROWS[1], DIFFUSE_ROWS[3]) if QUICK else DIFFUSE_ROWS
+    long_ctx = LONG_CONTEXT_QUICK if QUICK else LONG_CONTEXT
     saved = prefix.FORCE_PATH
     prefix.FORCE_PATH = "tiled" if device.type == "cpu" else saved  # what a card runs
     try:
-        rows = precision_rows(device, halves, ("decode", "prefix", "dense"),
+        rows = precision_rows(device, halves, ("decode", "prefix", "dense"), ROWS + diffuse,
                               variants=("plain",) if QUICK else ("plain", "groups"),
                               heads=heads, kv_heads=kv, head_size=head_size)
+        long_rows = precision_rows(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
+                                   heads=heads, kv_heads=kv, head_size=head_size)
     finally:
         prefix.FORCE_PATH = saved
+    for r in long_rows:
+        r["variant"] = f"ctx {long_ctx}"
+    rows += long_rows
     PRECISION_ROWS[:] = rows
     worse = [(r["kernel"], r["variant"], r["dtype"], r["row"], round(r["ratio"], 2))
              for r in rows if not r["ratio"] <= MAX_RATIO]

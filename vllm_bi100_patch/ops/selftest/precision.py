@@ -28,13 +28,21 @@ import torch
 from ...attention.kernels import paged_decode, paged_prefix
 from ...attention.kernels.prefill import dense
 
-__all__ = ["MAX_RATIO", "ROWS", "float32_score_reference", "logit_case",
+__all__ = ["ALL_ROWS", "DIFFUSE_ROWS", "MAX_RATIO", "ROWS", "float32_score_reference", "logit_case",
            "median_rel_error", "precision_rows"]
 
 #: The rows of issue 34's table: logit standard deviations and sink heights.
 ROWS: Tuple[Tuple[str, float], ...] = (
     ("sigma", 1.0), ("sigma", 5.0), ("sigma", 10.0), ("sigma", 30.0),
     ("sink", 10.0), ("sink", 50.0), ("sink", 100.0), ("sink", 200.0))
+#: Issue 41's rows besides: ``sigma`` 0.5, a sink of 1,000 and the *diffuse* rows, a bulk of
+#: keys whose logits have standard deviation 0.1 (``diffuse0.1``) or 0.3 (``diffuse0.3``)
+#: and one key 3, 4.5 or 7 above them (the bulk together carries most of the weight).
+DIFFUSE_ROWS: Tuple[Tuple[str, float], ...] = (
+    ("diffuse0.1", 3.0), ("diffuse0.1", 4.5), ("diffuse0.1", 7.0),
+    ("diffuse0.3", 3.0), ("diffuse0.3", 4.5), ("diffuse0.3", 7.0))
+ALL_ROWS: Tuple[Tuple[str, float], ...] = (
+    (("sigma", 0.5),) + ROWS[:4] + ROWS[4:] + (("sink", 1000.0),) + DIFFUSE_ROWS)
 #: A kernel's median error may be at most this many times the float32-score reference's.
 MAX_RATIO = 2.0
 #: Positions of the sink keys.
@@ -53,24 +61,31 @@ def logit_case(dtype: torch.dtype, kind: str, size: float, *, ctx: int, new: int
     ``sigma * sqrt(head_size)`` (logits ``N(0, sigma**2)``).  Sinks: every query of a KV
     head's group gets a unit component along one direction ``u`` (its random part made
     orthogonal to ``u``) and the keys at positions 0-3 get ``size / scale`` along ``u``:
-    their logits are ``size`` above std-1 logits for every query."""
+    their logits are ``size`` above std-1 logits for every query.  Diffuse
+    (``diffuse<std>``): the same with logits of standard deviation ``std`` and one such key,
+    the last cached one (the middle one without a cache): seen by every new query, inside
+    any window."""
     g = torch.Generator().manual_seed(seed)
     total, d = ctx + new, head_size
     group, scale = heads // kv_heads, head_size ** -0.5
-    sigma = size if kind == "sigma" else 1.0
+    diffuse = kind.startswith("diffuse")
+    sigma = size if kind == "sigma" else float(kind[7:]) if diffuse else 1.0
+    lifted = kind == "sink" or diffuse
+    first = 0 if kind == "sink" else ctx - 1 if ctx else total // 2  # the lifted keys
+    count = SINKS if kind == "sink" else 1
     k = torch.randn(total, kv_heads, d, generator=g, dtype=torch.float64)
     v = torch.randn(total, kv_heads, d, generator=g, dtype=torch.float64)
     q = torch.randn(new, heads, d, generator=g, dtype=torch.float64)
-    if kind == "sink":
+    if lifted:
         u = torch.randn(kv_heads, d, generator=g, dtype=torch.float64)
         u = (u / u.norm(dim=-1, keepdim=True)).repeat_interleave(group, 0)  # [heads, d]
         q = q - (q * u).sum(-1, keepdim=True) * u
     q = q / q.norm(dim=-1, keepdim=True) * sigma * math.sqrt(d)
-    if kind == "sink":
+    if lifted:
         q = q + u
-        k[:SINKS] += size / scale * u[::group]
+        k[first:first + count] += size / scale * u[::group]
     elif kind != "sigma":
-        raise ValueError(f"kind must be 'sigma' or 'sink', got {kind!r}")
+        raise ValueError(f"kind must be 'sigma', 'sink' or 'diffuse<std>', got {kind!r}")
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     blocks = max(1, math.ceil(total / 16))
     x = 16 // torch.empty((), dtype=dtype).element_size()
@@ -92,11 +107,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scal
     """Causal attention of queries at positions ``ctx ..`` over keys ``0 ..``: float64
     throughout, or vLLM's kernel's numerics (``float32_scores``)."""
     work = torch.float32 if float32_scores else torch.float64
-    new, heads, _ = q.shape
-    group = heads // k.shape[1]
-    kk = k.to(work).repeat_interleave(group, 1)
-    vv = v.to(work).repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q.to(work), kk) * scale
+    new, heads, d = q.shape
+    kv = k.shape[1]
+    group = heads // kv
+    # Per KV head (no copy of K/V per query head: a 131,072-token case stays small).
+    s = torch.einsum("qcgd,tcd->cgqt", q.to(work).view(new, kv, group, d), k.to(work))
+    s = s.reshape(heads, new, -1) * scale
     qp = torch.arange(ctx, ctx + new, dtype=work).view(1, new, 1)
     kp = torch.arange(k.shape[0], dtype=work).view(1, 1, -1)
     if alibi is not None:
@@ -107,24 +123,26 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scal
     p = torch.softmax(s.masked_fill(hidden, -math.inf), dim=-1)
     if float32_scores:
         p = p.to(dtype).to(work)
-    out = torch.einsum("hqk,khd->qhd", p, vv)
+    out = torch.einsum("cgqt,tcd->qcgd", p.view(kv, group, new, -1), v.to(work))
+    out = out.reshape(new, heads, d)
     return out.to(dtype) if float32_scores else out
 
 
 def float32_score_reference(case: Sequence[torch.Tensor], alibi: Optional[torch.Tensor] = None,
-                            window: Optional[int] = None) -> torch.Tensor:
+                            window: Optional[int] = None, last: int = 0) -> torch.Tensor:
     """What vLLM's CUDA kernel computes for a ``logit_case``'s new tokens (module
-    docstring), in the case's dtype."""
-    return _case_attention(case, alibi, window, True)
+    docstring; ``last``: only the last so many), in the case's dtype."""
+    return _case_attention(case, alibi, window, True, last)
 
 
 def reference64(case: Sequence[torch.Tensor], alibi: Optional[torch.Tensor] = None,
-                window: Optional[int] = None) -> torch.Tensor:
-    """The float64 attention of a ``logit_case``'s new tokens."""
-    return _case_attention(case, alibi, window, False)
+                window: Optional[int] = None, last: int = 0) -> torch.Tensor:
+    """The float64 attention of a ``logit_case``'s new tokens (``last``: only the last so
+    many)."""
+    return _case_attention(case, alibi, window, False, last)
 
 
-def _case_attention(case, alibi, window, float32_scores):
+def _case_attention(case, alibi, window, float32_scores, last=0):
     q, k_new, v_new, kc, vc = (t.cpu() for t in case[:5])
     ctx = int(case[8][0])
     d, kv = q.shape[2], kc.shape[1]
@@ -132,7 +150,10 @@ def _case_attention(case, alibi, window, float32_scores):
     v_old = vc.permute(0, 3, 1, 2).reshape(-1, kv, d)[:ctx]
     k = torch.cat([k_old, k_new])
     v = torch.cat([v_old, v_new])
-    return _attention(q, k, v, ctx, d ** -0.5, q.dtype, alibi, window, float32_scores)
+    first = ctx  # position of the first query row measured
+    if last:
+        first, q = ctx + q.shape[0] - last, q[-last:]
+    return _attention(q, k, v, first, d ** -0.5, q.dtype, alibi, window, float32_scores)
 
 
 def median_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -161,26 +182,28 @@ def precision_rows(device: torch.device, dtypes: Sequence[torch.dtype],
                    rows: Sequence[Tuple[str, float]] = ROWS, *, decode_len: int = 4096,
                    ctx: int = 512, new: int = 256, heads: int = 4, kv_heads: int = 1,
                    head_size: int = 128, variants: Sequence[str] = ("plain",),
-                   seed: int = 0) -> List[Dict[str, Any]]:
+                   seed: int = 0, dense_last: int = 0) -> List[Dict[str, Any]]:
     """Each kernel's median error on each row, beside the float32-score reference's.
 
     ``variants`` of the prefix and dense kernels: ``plain``, ``alibi`` (slopes ``2**-2``,
     ``2**-4``, ... per query head), ``window`` (a sliding window of ``ctx // 2``) and
     ``groups`` (the prefix under a budget of 1 MiB: keys staged in several groups, tiles
-    spanning them).  Returns dicts: ``kernel``, ``variant``, ``dtype``, ``row`` (e.g.
-    ``sigma 5``), ``error``, ``reference``, ``ratio``."""
+    spanning them).  The dense kernel runs a prompt of ``ctx + new`` tokens, measured on
+    every row or, with ``dense_last``, on its last so many (they see the most keys).
+    Returns dicts: ``kernel``, ``variant``, ``dtype``, ``row`` (e.g. ``sigma 5``),
+    ``error``, ``reference``, ``ratio``."""
     out: List[Dict[str, Any]] = []
     for dtype in dtypes:
         for kind, size in rows:
             for kernel in kernels:
                 for variant in (("plain",) if kernel == "decode" else variants):
                     out.append(_row(device, dtype, kind, size, kernel, variant, decode_len,
-                                    ctx, new, heads, kv_heads, head_size, seed))
+                                    ctx, new, heads, kv_heads, head_size, seed, dense_last))
     return out
 
 
 def _row(device, dtype, kind, size, kernel, variant, decode_len, ctx, new, heads, kv_heads,
-         head_size, seed) -> Dict[str, Any]:
+         head_size, seed, dense_last=0) -> Dict[str, Any]:
     alibi = window = None
     budget_mb = 256
     if variant == "alibi":
@@ -198,8 +221,9 @@ def _row(device, dtype, kind, size, kernel, variant, decode_len, ctx, new, heads
         first = ctx if kernel == "prefix" else 0  # dense: the whole prompt's rows
         case = logit_case(dtype, kind, size, ctx=first, new=ctx + new - first, heads=heads,
                           kv_heads=kv_heads, head_size=head_size, seed=seed, device=device)
-    ref = reference64(case, alibi, window)
-    f32 = float32_score_reference(case, alibi, window)
+    last = dense_last if kernel == "dense" else 0
+    ref = reference64(case, alibi, window, last)
+    f32 = float32_score_reference(case, alibi, window, last)
     if kernel == "decode":
         got = _run("decode", case, alibi, window, budget_mb)
         ref, f32 = ref[-1:], f32[-1:]
@@ -210,6 +234,7 @@ def _row(device, dtype, kind, size, kernel, variant, decode_len, ctx, new, heads
         got = dense.varlen_attention(q, k, v, [q.shape[0]], head_size ** -0.5,
                                      alibi_slopes=None if alibi is None else alibi.to(q.device),
                                      sliding_window=window, budget_mb=budget_mb)
+        got = got[-last:] if last else got
     err, bar = median_rel_error(got, ref), median_rel_error(f32, ref)
     return {"kernel": kernel, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
             "row": f"{kind} {size:g}", "error": err, "reference": bar,

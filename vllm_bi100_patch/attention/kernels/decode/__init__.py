@@ -117,7 +117,8 @@ def paged_decode(
     if spec.fp8:
         q_scale = q_scale * scale_factor(k_scale, "k_scale")
         v_factor = scale_factor(v_scale, "v_scale")
-    plan = plan_decode(query, spec, width * spec.block_size, budget)
+    plan = plan_decode(query, spec, width * spec.block_size, budget,
+                       alibi=alibi_slopes is not None)
     on_cpu_path = _cpu_path(query.device)
     group = num_heads // spec.num_kv_heads
     out_kv = out.view(num_seqs, spec.num_kv_heads, group, head_size)
@@ -134,26 +135,29 @@ def paged_decode(
 
 
 def plan_decode(query: torch.Tensor, spec: CacheSpec, width_tokens: int,
-                budget_mb: int = DEFAULT_BUDGET_MB) -> TilePlan:
-    """How a call over ``width_tokens`` positions is cut into tiles and passes."""
+                budget_mb: int = DEFAULT_BUDGET_MB, alibi: bool = False) -> TilePlan:
+    """How a call over ``width_tokens`` positions is cut into tiles and passes (``alibi``:
+    with ALiBi's bias)."""
     num_seqs, num_heads, _ = query.shape
     budget = max(1, budget_mb) << 20
     if _cpu_path(query.device):
         return plan_cpu(num_seqs, num_heads, spec, width_tokens, budget)
     return plan_device(num_seqs, num_heads, spec, width_tokens,
-                       work_dtype(query.dtype, query.device), budget)
+                       work_dtype(query.dtype, query.device), budget, alibi)
 
 
-def minimum_working_set(query: torch.Tensor, spec: CacheSpec, width_tokens: int) -> int:
+def minimum_working_set(query: torch.Tensor, spec: CacheSpec, width_tokens: int,
+                        alibi: bool = False) -> int:
     """Bytes one call over ``width_tokens`` positions needs at least (one sequence, one tile
     of it per pass on CPUs; on devices one sequence beside the products' fixed chunk,
     ``decode._device.working_set``): under a smaller ``budget_mb`` the call runs over it
-    (one WARNING per setting on devices; a CPU's one-tile pass is a few hundred KiB)."""
+    (one WARNING per setting on devices; a CPU's one-tile pass is a few hundred KiB).
+    ``alibi``: a call with ALiBi slopes (their distances count on devices)."""
     _, heads, _ = query.shape
     if _cpu_path(query.device):
         return _cpu.working_set(1, 1, heads, spec, width_tokens)
     return _device.working_set(1, heads, spec, width_tokens,
-                               work_dtype(query.dtype, query.device))
+                               work_dtype(query.dtype, query.device), alibi)
 
 
 def _cpu_path(device: torch.device) -> bool:

@@ -87,12 +87,13 @@ def chunk_pairs(spec: CacheSpec, work: torch.dtype, tile: int) -> int:
 
 
 def working_set(seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
-                work: torch.dtype) -> int:
+                work: torch.dtype, alibi: bool = False) -> int:
     """Bytes a group of ``seqs`` sequences over ``width_tokens`` positions holds at most on
     the device path: the chunk's buffers (gathered K or V, the raw gather of a converted
     cache), the positions, and per pair (padded chunk included) its scores and residuals,
     float32 scores, expanded query, ``P.V``, partial and token indices, per sequence the
-    merge tree and the output's float32 temporaries.  ``working_set(1, ...)`` is the
+    merge tree and the output's float32 temporaries; with ``alibi``, the float32 positions
+    and, per pair, its float32 key-to-query distances.  ``working_set(1, ...)`` is the
     minimum working set: a smaller budget is run over (one WARNING per setting)."""
     tile = ceil_div(DEVICE_TILE_TOKENS, spec.block_size) * spec.block_size
     tiles = max(1, ceil_div(width_tokens, tile))
@@ -102,14 +103,15 @@ def working_set(seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
     d, kv = spec.head_size, spec.num_kv_heads
     converted = spec.fp8 or spec.storage_dtype != work
     raw = torch.empty((), dtype=spec.storage_dtype).element_size() if converted else 0
-    fixed = chunk * kv * tile * d * (half + raw) + tiles * tile * 8
-    per_pair = heads * (tile * (2 * half + 4) + 2 * d * half + (d + 1) * 4) + tile * 18
+    fixed = chunk * kv * tile * d * (half + raw) + tiles * tile * (12 if alibi else 8)
+    per_pair = heads * (tile * (2 * half + 4) + 2 * d * half + (d + 1) * 4) + tile * (
+        22 if alibi else 18)
     per_seq = heads * ((d + 1) * 4 * 2 * leaves + d * 16)
     return fixed + ceil_div(seqs * tiles, chunk) * chunk * per_pair + seqs * per_seq
 
 
 def plan_device(num_seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
-                work: torch.dtype, budget_bytes: int) -> TilePlan:
+                work: torch.dtype, budget_bytes: int, alibi: bool = False) -> TilePlan:
     """The device path's tiles, chunk and groups of sequences under ``budget_bytes``
     (``working_set``; a budget below one sequence's is run over, with one WARNING per
     setting)."""
@@ -118,13 +120,13 @@ def plan_device(num_seqs: int, heads: int, spec: CacheSpec, width_tokens: int,
     leaves = 1 << (tiles - 1).bit_length()
 
     def cost(seqs: int) -> int:
-        return working_set(seqs, heads, spec, width_tokens, work)
+        return working_set(seqs, heads, spec, width_tokens, work, alibi)
 
     group = max(1, num_seqs)
     while cost(group) > budget_bytes and group > 1:
         group = ceil_div(group, 2)
     if cost(1) > budget_bytes:
-        key = (budget_bytes, heads, spec.num_kv_heads, spec.head_size, work, tiles)
+        key = (budget_bytes, heads, spec.num_kv_heads, spec.head_size, work, tiles, alibi)
         if key not in _warned:
             _warned.add(key)
             log.warning("decode: budget %d MiB is below the minimum working set (%.1f MiB: "
@@ -211,26 +213,27 @@ def _probabilities(scores: torch.Tensor, resid: Optional[torch.Tensor], rows: in
     torch.mul(scores[:real].view(shape), factor, out=x)
     if resid is not None:
         x.addcmul_(resid[:real].view(shape), factor)
-    hidden = index.hidden.view(tiles, num_seqs, 1, 1, tile)
-    if calls.alibi_slopes is None:
-        x.masked_fill_(hidden, -math.inf)
-    else:
-        x.add_(_alibi_bias(index, calls, hidden))
+    if calls.alibi_slopes is not None:
+        _add_alibi(x, index, calls)
+    x.masked_fill_(index.hidden.view(tiles, num_seqs, 1, 1, tile), -math.inf)
     x.sub_(x.amax(dim=(0, 4), keepdim=True))
     x.exp_()
     return probs
 
 
-def _alibi_bias(index: TokenIndex, calls: Calls, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 ``slope * (key position - query position)``, ``-inf`` where hidden,
-    ``[tiles, S, kv, group, tile]``."""
-    tiles, num_seqs = hidden.shape[:2]
+def _add_alibi(x: torch.Tensor, index: TokenIndex, calls: Calls) -> None:
+    """``x += slope * (key position - query position)`` in place (float32, ``x``
+    ``[tiles, S, kv, group, tile]``): the distances are one float32 per pair and position
+    (``working_set`` counts them), every head's bias formed inside the ``addcmul``."""
+    tiles, num_seqs, _, _, tile = x.shape
     _, kv, group, _ = calls.out.shape
     assert calls.alibi_slopes is not None
     slopes = calls.alibi_slopes.to(torch.float32).view(1, 1, kv, group, 1)
-    last = calls.seq_lens.view(1, num_seqs, 1, 1, 1) - 1
-    distance = (index.positions.view(tiles, 1, 1, 1, -1) - last).to(torch.float32)
-    return (slopes * distance).masked_fill_(hidden, -math.inf)
+    last = calls.seq_lens.to(torch.float32).view(1, num_seqs, 1, 1, 1)
+    positions = index.positions.to(torch.float32).view(tiles, 1, 1, 1, tile)
+    # key - (len - 1), exact in float32 (positions below 2**24): key + 1 - len
+    distance = torch.sub(positions, last).add_(1.0)
+    x.addcmul_(slopes, distance)
 
 
 def _values(probs: torch.Tensor, rounded: torch.Tensor, chunks, index: TokenIndex,

@@ -28,6 +28,7 @@ from ._plan import (
     sdpa_max_end,
     sdpa_path_ok,
     tiling,
+    window_keys,
 )
 from ._sdpa import sdpa_rows
 from ._tiled import TiledRunner
@@ -85,7 +86,7 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
         # float32 in every compute mode (the GPU compute mode with the GPU's tile sizes).
         work = torch.float32
     til = tiling(heads, kv, d, block, work, budget, window=inp.window,
-                 gpu=compute_mode(device) == "native")
+                 gpu=compute_mode(device) == "native", alibi=alibi)
     runner = TiledRunner(inp, til, budget)
     sdpa = (causal and not alibi and isinstance(inp.q_scale, float) and force != "tiled"
             and (force == "sdpa" or sdpa_path_ok(query.dtype, device)))
@@ -101,7 +102,8 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
         if split:
             sdpa_rows(inp, seq, split, out, None if force == "sdpa" else sdpa_end)
         if split < seq.q_len:
-            _warn_small_budget(til, heads, kv, d, budget, seq.end, inp.spec is not None)
+            _warn_small_budget(til, heads, kv, d, budget, seq.end, inp.spec is not None,
+                               inp.window)
             runner.run(seq, out, split)
         if stats is not None:
             stats.record(seq, split)
@@ -111,17 +113,18 @@ def attend(inp: PrefixInputs, seqs: Iterable[SeqSpan], budget: int, out: torch.T
 
 
 def _warn_small_budget(til: Tiling, heads: int, kv: int, d: int, budget: int,
-                       end: int, gathered: bool) -> None:
+                       end: int, gathered: bool, window: Optional[int] = None) -> None:
     """One WARNING per setting when a sequence's minimum working set (its last score row and
     one key tile's staged K/V in three quarters of the budget, ``minimum_working_set``)
     passes the budget; the kernels then run over it."""
-    key = (budget, heads, kv, d, til.work)
+    key = (budget, heads, kv, d, til.work, til.row_elem, window)
     if key in _warned:
         return
-    least = minimum_working_set(til, kv, d, end, gathered)
+    least = minimum_working_set(til, kv, d, end, gathered, window)
     if least > budget:
         _warned.add(key)
         size = til.tile_of(end - 1)[1]
         log.warning("prefix/dense attention: budget %d MiB is below the minimum working set "
                     "(%.1f MiB: %d query rows against %d keys, one key tile's staged K/V); "
-                    "running over it", budget >> 20, least / 2**20, size, end)
+                    "running over it", budget >> 20, least / 2**20, size,
+                    window_keys(til, size, end, window))

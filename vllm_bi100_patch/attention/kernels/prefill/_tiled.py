@@ -4,8 +4,8 @@ query tile, elementwise ops.
 This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).  A
 query tile (``prefill._plan``: absolute positions, its size a function of the position)
 goes through the same calls in every slicing (``prefill._rows``: the products, in a
-half-precision work dtype twice, the second time shifted by each row's maximum; the masks;
-the softmax in place; ``P.V`` against the staged values and their ones column: each row's
+half-precision work dtype each with its residual, so that the weights carry float32 scores;
+the masks; the softmax in place; ``P.V`` against the staged values and their ones column: each row's
 weighted sum of its values and the sum of its rounded weights, the row their quotient).  A
 half-precision ``P.V`` is a weighted mean (halved in float16): it cannot leave its values'
 range and keeps float16's precision at every value scale.  A row whose output is not finite
@@ -16,7 +16,7 @@ decision).
 Tiles are processed in *waves* (``prefill._grid``): their queries are staged in one buffer, K/V
 once per key group, and the rows written back in at most three ops per run of same-size
 tiles; tiles whose keys span several groups keep their score rows for the wave (K staged for
-all of them, once more for the shifted products, then V).  What a wave shares is never an
+all of them, with the residual products, then V).  What a wave shares is never an
 operand of a product or softmax beside another tile's rows: every such call has the shape,
 strides and alignment of its tile and group alone (``tests/attention/kernels/test_call_shapes.py``).
 """
@@ -108,7 +108,8 @@ class TiledRunner:
         if wave[0].spanning:
             out = self._spanning(seq, wave, q, res, o, groups, hidden)
         else:  # every tile over one group: stage it, then each of its tiles' calls
-            s = self._buf("s", max(kv * t.size * g * t.keys for t in wave), til.work)
+            pair = 1 if self.rows.residual is None else 2  # scores, and their residuals
+            s = self._buf("s", pair * max(kv * t.size * g * t.keys for t in wave), til.work)
             rows = self.rows
             for grp in groups:
                 members = [i for i, t in enumerate(wave) if t.g0 == grp]
@@ -117,10 +118,9 @@ class TiledRunner:
                 keys, values = self._stage(seq, [wave[i] for i in members], grp, hidden)
                 for i in members:
                     t = wave[i]
-                    row = s[:kv * t.size * g * t.keys].view(kv, t.size * g, t.keys)
+                    shape = (pair, kv, t.size * g, t.keys)[2 - pair:]
+                    row = s[:pair * kv * t.size * g * t.keys].view(shape)
                     rows.scores(t, q[i], keys, grp, row)
-                    if rows.shifted:
-                        rows.scores(t, q[i], keys, grp, row, rows.row_max(seq, t, row))
                     rows.values(t, rows.softmax(seq, t, row), values, grp, res.tile(o, i))
             out = o
         self._finish(seq, res, out, a, b, target, row0)
@@ -130,21 +130,18 @@ class TiledRunner:
         """A wave of tiles over several key groups: every tile's score row is kept while K
         is staged group by group, then V; ``P.V`` per group added in group order (float32)."""
         til, kv, g, ops = self.til, self.kv, self.group, self.rows
-        # One allocation per tile (its probabilities replace its scores in place); the score
-        # buffer of tiles over one group goes first: the rows take the whole score budget.
+        # One allocation per tile (its probabilities replace its scores in place; with its
+        # residuals); the score buffer of tiles over one group goes first: the rows take the
+        # whole score budget.
         self._bufs.pop("s", None)
-        rows = [torch.empty((kv, t.size * g, t.keys), dtype=til.work, device=self.device)
+        pair = () if ops.residual is None else (2,)
+        rows = [torch.empty(pair + (kv, t.size * g, t.keys), dtype=til.work, device=self.device)
                 for t in wave]
-        shifts: List[Optional[torch.Tensor]] = [None] * len(wave)
-        for shifted in (False, True) if ops.shifted else (False,):
-            if shifted:  # groups backwards: the last one's keys are still staged
-                shifts = [ops.row_max(seq, t, rows[i]) for i, t in enumerate(wave)]
-            for grp in reversed(groups) if shifted else groups:
-                staged = shifted and grp == groups[-1]
-                keys, _ = self._stage(seq, wave, grp, hidden, keys=not staged, values=False)
-                for i, t in enumerate(wave):
-                    if t.g0 <= grp < t.g1:
-                        ops.scores(t, q[i], keys, grp, rows[i], shifts[i])
+        for grp in groups:
+            keys, _ = self._stage(seq, wave, grp, hidden, values=False)
+            for i, t in enumerate(wave):
+                if t.g0 <= grp < t.g1:
+                    ops.scores(t, q[i], keys, grp, rows[i])
         probs = [ops.softmax(seq, t, rows[i]) for i, t in enumerate(wave)]
         acc = self._buf("acc", res.numel, torch.float32)
         for grp in groups:
