@@ -127,7 +127,7 @@ def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(monkey
 
 @pytest.mark.parametrize("spread", [0.2, 1.5])
 def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
-    """Values at 65,504 (the largest float16): every output is exactly 65,504.  ``P.V`` is a
+    """Values at 65,504 (the largest float16): every output is 65,504 or one ulp below.  ``P.V`` is a
     weighted mean (the weights normalised by the softmax, halved so that weights rounded to
     a sum just over 1 cannot carry it past float16), whether the weights are near-uniform
     (``spread`` 0.2: ~500 keys of equal weight, past float16 at the old ``2**-8`` scale of
@@ -144,7 +144,10 @@ def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
     k = torch.randn(2000, 2, 128, generator=g).half()
     v = torch.full((2000, 2, 128), 65504.0, dtype=torch.float16)
     out = dense.varlen_attention(q, k, v, lens, 128 ** -0.5)
-    assert torch.equal(out, v[:, :1].expand(2000, 8, 128))
+    # Since issue 41 float16's weights are corrected after the softmax (``p + p expm1(r)``):
+    # their sum is no longer the softmax's 1, and the quotient of the two rounded sums may
+    # land one float16 ulp below (65,472): finite, never past 65,504.
+    assert bool(((out == 65504) | (out == 65472)).all()), out.unique()
     for r in caplog.records:
         assert "recomputed in float32" in r.getMessage()
 
@@ -152,12 +155,13 @@ def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
 def test_tile_choice_never_collapses():
     """The profiling run's shape (8,192 tokens, 16/16 heads of 256, float16, 256 MiB): a
     tile holds far more than one query row (item 6: a unit used to be 1 row) in both modes:
-    the last tile of the prompt has 256 rows in the GPU compute mode (its score row over
-    8,192 keys fits three eighths of the budget; the softmax writes the probabilities in
-    place), 64 on CPUs (their largest tile)."""
+    the last tile of the prompt has 128 rows in the GPU compute mode (its score row over
+    8,192 keys, with the residuals beside the float16 scores since issue 41, fits three
+    eighths of the budget; the softmax writes the probabilities in place), 64 on CPUs
+    (their largest tile)."""
     gpu = dense.tile_rows(8192, 8192, 16, 16, 256, 2, 256 << 20)
     cpu = dense.tile_rows(8192, 8192, 16, 16, 256, 4, 256 << 20)
-    assert (gpu, cpu) == (256, 64)
+    assert (gpu, cpu) == (128, 64)
 
 
 @pytest.mark.parametrize("compute", ["fp32", "native"])
