@@ -1,5 +1,9 @@
 """What one prefix (or dense prompt) attention call works on, and its slicing-invariant tiling.
 
+One concept: the call's plan (its inputs, tiles, key groups and the working set they need),
+the one place every size of the prefill kernels is decided, kept together so that each size
+is visibly a function of the model's shape, the budget and absolute positions only.
+
 Every size here is a function of the model's shape (heads, head size, block size), the dtypes,
 the compute mode, the memory budget and absolute positions: never of the lengths in the call.
 That is what makes the kernels slicing-invariant: a token's output row is computed by the
