@@ -38,8 +38,8 @@ sys.path[:0] = [ROOT]
 
 from tools.account import Account, Launch  # noqa: E402
 from tools.uncomputed import Uncomputed  # noqa: E402
-from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix  # noqa: E402
-from vllm_bi100_patch.attention.kernels.prefill import prefix as _prefix  # noqa: E402
+from vllm_bi100_patch.attention.kernels import paged_decode, paged_prefix  # noqa: E402
+from vllm_bi100_patch.attention.kernels.forced import forced  # noqa: E402
 from vllm_bi100_patch.ops.selftest.calibrated import CLASSES, Calibrated, op_class  # noqa: E402
 
 FITTED = os.path.join(ROOT, "vllm_bi100_patch", "selftest", "fitted.py")
@@ -216,18 +216,14 @@ def field_account(formulation: str, heads: int, kv: int, tokens: int, chunk: int
 def shim_account(kernel: str, heads: int, kv: int, tokens: int, chunk: int = 1,
                  budget_mb: int = 256) -> List[Launch]:
     """The shim's kernel in the GPU formulation (half products, the card's tile layout)."""
-    saved = (_common.FORCE_COMPUTE, _common.FORCE_LAYOUT, _prefix.FORCE_PATH)
-    _common.FORCE_COMPUTE, _common.FORCE_LAYOUT, _prefix.FORCE_PATH = "native", "generic", None
     scale = 256 ** -0.5
-    try:
+    with forced(compute="native", layout="generic", path=None):
         if kernel == "decode":
             args = _decode_args(heads, kv, tokens)
             return count(lambda acc: paged_decode(*args, scale, max_seq_len=tokens,
                                                   budget_mb=budget_mb))
         pargs = _prefix_args(heads, kv, tokens, chunk)
         return count(lambda acc: paged_prefix(*pargs, scale=scale, budget_mb=budget_mb))
-    finally:
-        _common.FORCE_COMPUTE, _common.FORCE_LAYOUT, _prefix.FORCE_PATH = saved
 
 
 # --- the fit ----------------------------------------------------------------------------

@@ -38,9 +38,8 @@ import torch  # noqa: E402
 from xformers.ops import fmha  # noqa: E402  (the tests' CPU stand-in)
 
 from tools.account import DEVICES, Account, predict  # noqa: E402
-from vllm_bi100_patch.attention.kernels import _common  # noqa: E402
+from vllm_bi100_patch.attention.kernels.forced import forced  # noqa: E402
 from vllm_bi100_patch.attention.kernels.prefill import dense  # noqa: E402
-from vllm_bi100_patch.attention.kernels.prefill import prefix  # noqa: E402
 
 try:  # CPU half-precision GEMMs in float32 for a fast account (same counts), where it exists
     from tools.account import HalfGemmsInFloat as _fast_gemms  # type: ignore[attr-defined]
@@ -134,8 +133,7 @@ def main() -> None:
     print("| prompts | shim launches | shim MB | shim GFLOP | fused minimum MB | fused GFLOP | "
           "shim modelled ms | fused modelled ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
-    _common.FORCE_COMPUTE, prefix.FORCE_PATH = "native", "tiled"  # the GPU's computation
-    try:
+    with forced(compute="native", path="tiled"):  # the GPU's computation
         for lens in cases:
             q, k, v = _inputs(lens, dtype)
             with _fast_gemms(), Account() as acc:
@@ -146,8 +144,6 @@ def main() -> None:
             print(f"| {len(lens)}x{lens[0]} | {acc.launches} | {acc.bytes / 1e6:.1f} | "
                   f"{acc.flops / 1e9:.2f} | {nbytes / 1e6:.1f} | {flops / 1e9:.2f} | "
                   f"{shim_ms:.3f} | {fused_ms:.3f} | {shim_ms / fused_ms:.1f}x |")
-    finally:
-        _common.FORCE_COMPUTE = prefix.FORCE_PATH = None
 
 
 if __name__ == "__main__":

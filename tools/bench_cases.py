@@ -7,8 +7,8 @@ A *row* is one ``Case``: an operation (``decode``, ``prefix``, ``dense``), its s
   prefix path where allowed);
 - ``tiled``: the tiled prefix path in the device's compute mode (on CPU: float32);
 - ``native``: the tiled prefix path with the GPU compute mode forced
-  (``_common.FORCE_COMPUTE = "native"``: half-precision matrix products with float32
-  accumulation) and the GPU's tile layout (``FORCE_LAYOUT = "generic"``: strided gathers
+  (``forced(compute="native")``: half-precision matrix products with float32
+  accumulation) and the GPU's tile layout (``layout="generic"``: strided gathers
   straight into the staging buffers), the algorithm, numerics and gathers every GPU runs.
 
 ``account_row`` counts one row's call with ``tools.account.Account`` (launches, bytes,
@@ -131,8 +131,9 @@ FIELD_FIGURES: Dict[str, Tuple[int, float]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The kernel functions a row calls and the modules whose test hooks force a
-    formulation (``prefix.FORCE_PATH``, ``_common.FORCE_COMPUTE``)."""
+    """The kernel functions a row calls and what forces a formulation: the checkout's
+    ``kernels.forced`` module, or (``None``, a checkout older than it) the module globals
+    that did (``prefix.FORCE_PATH``, ``_common.FORCE_COMPUTE``/``FORCE_LAYOUT``)."""
 
     label: str
     paged_decode: Callable[..., torch.Tensor]
@@ -140,6 +141,7 @@ class Kernels:
     varlen_attention: Callable[..., torch.Tensor]
     prefix: Any
     common: Any
+    forced: Any = None
 
 
 def _kernel_module(package: str, name: str) -> Any:
@@ -158,8 +160,12 @@ def _kernel_module(package: str, name: str) -> Any:
 
 def _kernels(label: str, package: str) -> Kernels:
     mods = {name: _kernel_module(package, name) for name in ("decode", "prefix", "dense", "_common")}
+    try:
+        forced = _kernel_module(package, "forced")
+    except ModuleNotFoundError:
+        forced = None  # a checkout from before ``kernels.forced``
     return Kernels(label, mods["decode"].paged_decode, mods["prefix"].paged_prefix,
-                   mods["dense"].varlen_attention, mods["prefix"], mods["_common"])
+                   mods["dense"].varlen_attention, mods["prefix"], mods["_common"], forced)
 
 
 def this_package() -> Kernels:
@@ -184,10 +190,16 @@ def load_baseline(root: str) -> Kernels:
 @contextlib.contextmanager
 def formulation(kind: str, kernels: Kernels) -> Iterator[None]:
     """Force ``kind`` (``default``, ``tiled``, ``native``) in ``kernels`` while inside."""
-    forced = {"default": {}, "tiled": {(kernels.prefix, "FORCE_PATH"): "tiled"},
-              "native": {(kernels.prefix, "FORCE_PATH"): "tiled",
-                         (kernels.common, "FORCE_COMPUTE"): "native",
-                         (kernels.common, "FORCE_LAYOUT"): "generic"}}[kind]
+    overrides = {"default": {}, "tiled": {"path": "tiled"},
+                 "native": {"path": "tiled", "compute": "native", "layout": "generic"}}[kind]
+    if kernels.forced is not None:
+        with kernels.forced.forced(**overrides):
+            yield
+        return
+    # An older checkout: its kernels' module globals.
+    hooks = {"path": (kernels.prefix, "FORCE_PATH"), "compute": (kernels.common, "FORCE_COMPUTE"),
+             "layout": (kernels.common, "FORCE_LAYOUT")}
+    forced = {hooks[name]: value for name, value in overrides.items()}
     if kind == "native" and not hasattr(kernels.common, "FORCE_COMPUTE"):
         raise SystemExit(f"{kernels.label}: kernels._common has no FORCE_COMPUTE hook")
     # A prefix without FORCE_PATH has one path (the tiled one): nothing to force there.

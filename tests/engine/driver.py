@@ -396,26 +396,23 @@ def main(argv, scenarios=None) -> None:
                  compute=opts.compute, path=opts.path)
     _fake_xformers()
     import vllm_bi100_patch
+    from vllm_bi100_patch.attention.kernels.forced import forced
 
-    if opts.compute is not None:
-        from vllm_bi100_patch.attention.kernels import _common
-
-        _common.FORCE_COMPUTE = opts.compute  # the kernels' test hooks
-    if opts.path is not None:
-        from vllm_bi100_patch.attention.kernels.prefill import prefix
-
-        prefix.FORCE_PATH = opts.path
-    for name in opts.scenarios or list(scenarios):
-        Engine.last = None
-        try:
-            eng = scenarios[name]()
-            report(scenario=name, ok=True, calls=eng.calls, events=eng.events,
-                   status=vllm_bi100_patch.status(), shape=SHAPE, **eng.extra)
-        except Exception as exc:
-            eng = Engine.last
-            report(scenario=name, ok=False, error=f"{type(exc).__name__}: {exc}",
-                   trace=traceback.format_exc()[-3000:], calls=eng.calls if eng else [],
-                   status=vllm_bi100_patch.status())
+    # The kernels' test hooks, for every scenario (the engines' executor threads included).
+    overrides = {name: value for name, value in (("compute", opts.compute), ("path", opts.path))
+                 if value is not None}
+    with forced(**overrides):
+        for name in opts.scenarios or list(scenarios):
+            Engine.last = None
+            try:
+                eng = scenarios[name]()
+                report(scenario=name, ok=True, calls=eng.calls, events=eng.events,
+                       status=vllm_bi100_patch.status(), shape=SHAPE, **eng.extra)
+            except Exception as exc:
+                eng = Engine.last
+                report(scenario=name, ok=False, error=f"{type(exc).__name__}: {exc}",
+                       trace=traceback.format_exc()[-3000:], calls=eng.calls if eng else [],
+                       status=vllm_bi100_patch.status())
 
 
 if __name__ == "__main__":

@@ -210,12 +210,9 @@ def test_native_checks_on_the_vendor_kernel():
     v1, _ = _vendor_v1()
     assert v1.limit == 32768
     found = native.native_checks(v1, torch.bfloat16, 128)
-    saved = checks.use_device_formulation(torch.device("cpu"), gpu=False)
-    try:
+    with checks.device_formulation(torch.device("cpu"), gpu=False):
         for check in found:
             check(torch.device("cpu"))
-    finally:
-        checks.restore(saved)
     assert max(v1.calls) == 700  # the reference check; the route check calls nothing
     with pytest.raises(checks.Skip):
         native.native_checks(None, torch.bfloat16, 128)[0](torch.device("cpu"))

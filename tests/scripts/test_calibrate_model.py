@@ -50,16 +50,12 @@ def test_uncomputed_counts_what_a_real_run_counts(cm):
     for fn, with_acc in cases:
         real = _real(fn, with_acc)
         assert real and _counted(cm, fn) == real
-    saved = (cm._common.FORCE_COMPUTE, cm._common.FORCE_LAYOUT)
-    cm._common.FORCE_COMPUTE, cm._common.FORCE_LAYOUT = "native", "generic"
-    try:
+    with cm.forced(compute="native", layout="generic"):
         sargs = cm._prefix_args(4, 1, 3000, 512)
         for fn in (lambda acc: cm.paged_decode(*dargs[:5], scale, max_seq_len=3000),
                    lambda acc: cm.paged_prefix(*sargs, scale=scale)):
             real = _real(fn)
             assert real and _counted(cm, fn) == real
-    finally:
-        cm._common.FORCE_COMPUTE, cm._common.FORCE_LAYOUT = saved
 
 
 def test_the_fit_recovers_a_synthetic_cards_constants(cm):

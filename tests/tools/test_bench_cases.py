@@ -3,7 +3,9 @@ say (the account of a row is the account of the kernel call written out by hand)
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
 
 import pytest
 import torch
@@ -21,9 +23,9 @@ from tools.bench_cases import (
     sections,
     this_package,
 )
-from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels import paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.forced import Forcing, forced, forcing
 from vllm_bi100_patch.attention.kernels.prefill import dense
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,9 +70,7 @@ def test_build_lays_out_vllm_caches_with_distinct_blocks():
 def _by_hand(case):
     """The account of the row's call written out without the case builders' ``call``."""
     inp = build(case, "cpu")
-    saved = _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT
-    _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT = "native", "tiled", "generic"
-    try:
+    with forced(compute="native", path="tiled", layout="generic"):
         with Account() as acc:
             if case.op == "decode":
                 paged_decode(*inp.args, 256 ** -0.5, max_seq_len=case.ctx)
@@ -78,8 +78,6 @@ def _by_hand(case):
                 paged_prefix(*inp.args)
             else:
                 dense.varlen_attention(*inp.args, [case.new], 256 ** -0.5, causal=True)
-    finally:
-        _common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT = saved
     return acc
 
 
@@ -102,17 +100,39 @@ def test_formulation_is_forced_inside_the_call_only():
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append((_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT))
+        now = forcing()
+        seen.append((now.compute, now.path, now.layout))
         return paged_decode(*args, **kwargs)
 
-    kernels = this_package()
-    kernels = type(kernels)("spy", spy, kernels.paged_prefix, kernels.varlen_attention,
-                            kernels.prefix, kernels.common)
-    before = (_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT)
+    kernels = dataclasses.replace(this_package(), label="spy", paged_decode=spy)
+    now = forcing()
+    before = (now.compute, now.path, now.layout)
     for kind in ("default", "tiled", "native"):
         call(build(Case("decode", 1, 32, 1, kind, FIELD), "cpu"), kernels)()
     assert seen == [before, (before[0], "tiled", before[2]), ("native", "tiled", "generic")]
-    assert (_common.FORCE_COMPUTE, prefix.FORCE_PATH, _common.FORCE_LAYOUT) == before
+    now = forcing()
+    assert (now.compute, now.path, now.layout) == before
+
+
+def test_formulation_forces_an_older_checkouts_module_globals():
+    """A baseline from before ``kernels.forced`` is forced through its modules' globals, and
+    they come back after."""
+    old_prefix, old_common = types.ModuleType("prefix"), types.ModuleType("_common")
+    old_prefix.FORCE_PATH = old_common.FORCE_COMPUTE = old_common.FORCE_LAYOUT = None
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((old_common.FORCE_COMPUTE, old_prefix.FORCE_PATH, old_common.FORCE_LAYOUT))
+        return paged_decode(*args, **kwargs)
+
+    kernels = dataclasses.replace(this_package(), label="old", paged_decode=spy,
+                                  prefix=old_prefix, common=old_common, forced=None)
+    for kind in ("default", "tiled", "native"):
+        call(build(Case("decode", 1, 32, 1, kind, FIELD), "cpu"), kernels)()
+    assert seen == [(None, None, None), (None, "tiled", None), ("native", "tiled", "generic")]
+    assert (old_common.FORCE_COMPUTE, old_prefix.FORCE_PATH, old_common.FORCE_LAYOUT) == (
+        None, None, None)
+    assert forcing() == Forcing()
 
 
 def test_native_rows_count_the_gpu_compute_mode():

@@ -1,7 +1,7 @@
 """Patching: the machinery every patch row goes through, whatever it patches.
 
-Owns the row type (``patch_row``) and the table (``table``, its serving rows in ``rows_serving`` and
-``rows_serving_engine``), the method rows' specs and descriptor checks (``specs``), the
+Owns the row type (``patch_row``) and the table (``table``, its serving rows in
+``rows_serving``), the method rows' specs and descriptor checks (``specs``), the
 registry (``registry``: saved originals, all-or-nothing apply, exact revert; its ``report``),
 what a row's factory is built with (``factories``: the factory type, the argument reader, the
 call counters), class rebinding (``rebind``), the code checks (``source``: one parse;

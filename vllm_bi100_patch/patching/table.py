@@ -1,10 +1,9 @@
 """Every patch the shim can apply, as data: one row per patch, catalogue entry included.
 
-Adding a patch is one row here (the serving rows: in ``rows_serving`` and
-``rows_serving_engine``; ``Patch`` itself and the module names: ``patch_row``) plus its module
-in the room of its domain, ``attention/``, ``engine/`` or ``serving/`` (its factory, of the
-type ``patching.factories.Factory``, and for a conditional patch its ``when`` check) and its
-test.
+Adding a patch is one row here (the serving rows: in ``rows_serving``; ``Patch`` itself and
+the module names: ``patch_row``) plus its module in the room of its domain, ``attention/``,
+``engine/`` or ``serving/`` (its factory, of the type ``patching.factories.Factory``, and for a
+conditional patch its ``when`` check) and its test.
 Everything else is derived from this table: the names accepted in ``VLLM_BI100_PATCH_DISABLE``
 (``config``), the modules the bootstrap hooks (``bootstrap``), the code checks and the
 all-or-nothing apply/revert (``registry``), the call counters (``patching.factories``),
@@ -43,7 +42,6 @@ from __future__ import annotations
 from .patch_row import (BACKEND_UTILS, GUARD_IMPORT, LOGITS, MODEL_RUNNER, PAGED_ATTN, REPLACE_CLASS,
                         SEQUENCE, WRAP_INSTANCE, WRAP_METHOD, XFORMERS, Patch)
 from .rows_serving import ROWS as _SERVING_ROWS
-from .rows_serving_engine import ROWS as _ENGINE_ROWS
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
 if TYPE_CHECKING:
@@ -270,7 +268,6 @@ PATCHES: Tuple[Patch, ...] = (
         removal="when the oldest vLLM the shim supports is 0.6.5, or Iluvatar's build carries "
                 "the fix (the row then reports itself not needed)"),
     *_SERVING_ROWS,
-    *_ENGINE_ROWS,
 )
 
 

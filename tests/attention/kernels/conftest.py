@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers.reference import cpu_half_gemm
@@ -14,25 +16,31 @@ FORMULATIONS = {"cpu": ("fast", "fp32"), "generic-fp32": ("generic", "fp32"),
                 "gpu": ("generic", "native")}
 
 
-@pytest.fixture(params=sorted(FORMULATIONS))
-def formulation(request, monkeypatch):
-    """Run a test under each formulation (see ``FORMULATIONS``); returns its name."""
-    from vllm_bi100_patch.attention.kernels import _common
+@pytest.fixture
+def force():
+    """``force(compute=..., layout=..., path=...)``: ``kernels.forced`` entered for the rest
+    of the test (a later call nests inside an earlier one); every block closes, in reverse,
+    at teardown, so the kernels' choice by device comes back."""
+    from vllm_bi100_patch.attention.kernels.forced import forced
 
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(forced(**overrides))
+
+
+@pytest.fixture(params=sorted(FORMULATIONS))
+def formulation(request, force):
+    """Run a test under each formulation (see ``FORMULATIONS``); returns its name."""
     layout, compute = FORMULATIONS[request.param]
     _skip_half_without_cpu_gemm(request, compute == "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    force(layout=layout, compute=compute)
     return request.param
 
 
 @pytest.fixture(params=["sdpa", "tiled"])
-def path(request, monkeypatch):
+def path(request, force):
     """Run a prefix test under both paths (SDPA over gathered K/V, and the tiled one)."""
-    from vllm_bi100_patch.attention.kernels.prefill import prefix
-
     _skip_half_without_cpu_gemm(request, request.param == "sdpa")
-    monkeypatch.setattr(prefix, "FORCE_PATH", request.param)
+    force(path=request.param)
     return request.param
 
 

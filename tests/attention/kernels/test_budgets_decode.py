@@ -1,7 +1,7 @@
 """The decode kernel's launch and time budgets in the GPU compute mode (issues 19 and 34).
 
 Counted by ``tools.account.Account`` on CPU tensors with the GPU compute mode forced
-(``_common.FORCE_COMPUTE = "native"``): every non-view aten op is a launch (on a GPU in eager
+(``forced(compute="native")``): every non-view aten op is a launch (on a GPU in eager
 mode, as CoreX forces it, each one costs host time), bytes are what each op reads and writes.
 "Minimal" is reading K and V of the sequences once plus the query and the output.  At the
 field's per-rank shape (4 query heads / 1 KV head of 256, fp16, block 16) a call must make at
@@ -21,6 +21,7 @@ from helpers.reference import cpu_half_gemm
 
 from tools.account import DEVICES, Account, predict
 
+from vllm_bi100_patch.attention.kernels.forced import forced
 from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
 
 #: The field's per-rank shape (TP=4 of a 16/4-head model of head size 256) and the benchmark's.
@@ -69,14 +70,10 @@ def minimal_bytes(lens, heads, kv_heads, head_size, dtype):
 
 def account(lens, shape, layout=None, **kw):
     """The account of one GPU-compute-mode call (layout: ``None`` = chosen by device)."""
-    saved = _common.FORCE_COMPUTE, _common.FORCE_LAYOUT
-    _common.FORCE_COMPUTE, _common.FORCE_LAYOUT = "native", layout
-    try:
+    with forced(compute="native", layout=layout):
         args = _case(lens, **shape)
         with Account() as acc:
             paged_decode(*args, shape["head_size"] ** -0.5, max_seq_len=max(lens), **kw)
-    finally:
-        _common.FORCE_COMPUTE, _common.FORCE_LAYOUT = saved
     return acc, acc.bytes / minimal_bytes(lens, **shape)
 
 
@@ -120,9 +117,7 @@ def test_passes_follow_the_budget():
     every product has the chunk's shape whatever the passes."""
     lens = [8192, 3000, 5000, 100]
     args = _case(lens, **FIELD)
-    saved = _common.FORCE_COMPUTE, _common.FORCE_LAYOUT
-    _common.FORCE_COMPUTE, _common.FORCE_LAYOUT = "native", "generic"
-    try:
+    with forced(compute="native", layout="generic"):
         spec = _common.check_cache(args[1], args[2], args[0].dtype, "auto")
         least = decode.minimum_working_set(args[0], spec, 8192)
         two = (least >> 20) + 1  # room for one sequence, not for all four
@@ -131,7 +126,5 @@ def test_passes_follow_the_budget():
             with Account() as acc:
                 outs.append(paged_decode(*args, 0.0625, max_seq_len=8192, budget_mb=budget))
             launches.append(acc.launches)
-    finally:
-        _common.FORCE_COMPUTE, _common.FORCE_LAYOUT = saved
     assert launches[0] < launches[1] <= launches[2], launches
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

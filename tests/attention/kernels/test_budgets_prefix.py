@@ -1,6 +1,6 @@
 """Launch and byte budgets of the prefix (tiled path) and dense kernels in the GPU compute mode
 (issue 19, item 2), counted by ``tools.account`` as a GPU runs them: CPU tensors with
-``_common.FORCE_COMPUTE = "native"`` and ``FORCE_LAYOUT = "generic"``, float16, at the
+``forced(compute="native", layout="generic")``, float16, at the
 issue's per-rank shape (4 query heads / 1 KV head of 256, block 16).
 
 The account counts ops and bytes, it does not time; a float16 matrix product on a CPU is
@@ -22,7 +22,6 @@ from helpers.reference import cpu_half_gemm
 from torch.utils._python_dispatch import TorchDispatchMode
 from tools.account import DEVICES, Account, predict
 
-from vllm_bi100_patch.attention.kernels import _common
 from vllm_bi100_patch.attention.kernels.prefill import dense
 from vllm_bi100_patch.attention.kernels.prefill import prefix
 
@@ -31,7 +30,7 @@ DTYPE = torch.float16
 
 #: The starting commit's account (19618c3, the last main before issues 19-21's kernels),
 #: measured with tools/account.py on a clean checkout of it, in the GPU compute mode as above
-#: (prefix: ``FORCE_PATH = "tiled"``), with real float16 products: (launches, bytes).  They
+#: (prefix: ``forced(path="tiled")``), with real float16 products: (launches, bytes).  They
 #: are issue 19's table: 622 / 34.8x (643 MiB), 1,182 / 21.5x (714 MiB), 16 / 73.8x (738 MiB).
 BASELINE = {
     "prefix 16384+512": (622, 674_456_988),
@@ -68,10 +67,8 @@ class OneGemms(TorchDispatchMode):
         return torch.ones(shape, dtype=a.dtype, device=a.device)
 
 
-def _gpu_mode(monkeypatch) -> None:
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+def _gpu_mode(force) -> None:
+    force(compute="native", layout="generic", path="tiled")
 
 
 def _prefix_call(ctx: int, new: int) -> Callable[[], torch.Tensor]:
@@ -108,12 +105,12 @@ def _account(fn: Callable[[], torch.Tensor], one_gemms: bool) -> Tuple[Account, 
     return acc, out
 
 
-def test_one_gemms_account_is_the_real_one(monkeypatch):
+def test_one_gemms_account_is_the_real_one(force):
     """The shortcut changes values only: the same ops on the same operands (a float32 re-run,
     had the ones triggered one, would add ops)."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     for fn in (_prefix_call(1024, 64), _dense_call(512)):
         real, _ = _account(fn, one_gemms=False)
         fake, _ = _account(fn, one_gemms=True)
@@ -123,7 +120,7 @@ def test_one_gemms_account_is_the_real_one(monkeypatch):
 
 
 @pytest.mark.parametrize("ctx,new", [(16384, 512), (32768, 256)])
-def test_prefix_tiled_path_budget(ctx, new, monkeypatch):
+def test_prefix_tiled_path_budget(ctx, new, force):
     """Launches at most half of the starting commit's (issue 19 item 2) and no more than
     before issue 26 made every query tile its own calls; modelled BI-V100 time at most
     1.25x c234785's (issue 41: the residual products, the ``expm1`` and the correction of
@@ -131,7 +128,7 @@ def test_prefix_tiled_path_budget(ctx, new, monkeypatch):
     mask were two).  Bytes: 70% of the starting commit's until issue 41; its float32-precise
     scores take 0.96x (16,384 + 512, 619 MiB) and 0.96x (32,768 + 256, 684 MiB): at most
     0.97x."""
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     name = f"prefix {ctx}+{new}"
     launches, moved = BASELINE[name]
     acc, _ = _account(_prefix_call(ctx, new), one_gemms=True)
@@ -141,7 +138,7 @@ def test_prefix_tiled_path_budget(ctx, new, monkeypatch):
     assert predict(acc, DEVICES["bi-v100"]) * 1e3 <= 1.25 * BEFORE_ISSUE_41[name], acc.by_op
 
 
-def test_dense_budget(monkeypatch):
+def test_dense_budget(force):
     """A 2,048-token prompt: bytes at most 70% of the starting commit's, modelled BI-V100
     time at most 1.25x c234785's; launches: every absolute query tile has its own products
     and softmax (the same calls for a row in every slicing): seven launches per tile (tiles
@@ -151,7 +148,7 @@ def test_dense_budget(monkeypatch):
     tiles (their queries in, their rows out) and six for the call (staging K and V with the
     ones column, the causal mask, the re-run check): 40 counted, where 3b47d5f made 15 with
     one product for all rows and 3d07fab 28 with one product each."""
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     _, moved = BASELINE["dense 2048"]
     acc, _ = _account(_dense_call(2048), one_gemms=True)
     assert acc.launches <= 4 * 7 + 2 * 3 + 6, acc.by_op
@@ -162,11 +159,11 @@ def test_dense_budget(monkeypatch):
     assert predict(acc, DEVICES["bi-v100"]) * 1e3 <= 1.25 * BEFORE_ISSUE_41["dense 2048"]
 
 
-def test_dense_tile_choice_never_collapses(monkeypatch):
+def test_dense_tile_choice_never_collapses(force):
     """Issue 19 item 2 (issue 21 item 6): 256 tokens of 16/16 heads of 256 under an 8 MiB
     budget took 3,840 launches at 19618c3 (a tile of one query row); the working set of a
     few query tiles fits, so at most 4 times the launches of the same call under 256 MiB."""
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     g = torch.Generator().manual_seed(19)
     q, k, v = (torch.randn(256, 16, HEAD, generator=g).to(DTYPE) for _ in range(3))
     counts = []

@@ -38,7 +38,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
 from vllm_bi100_patch.attention.kernels.prefill import _sdpa as _prefix_sdpa
 from vllm_bi100_patch.attention.kernels.prefill import _rows as _prefix_rows
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 
@@ -113,13 +112,11 @@ def _same_calls(whole: Recorder, part: Recorder, what: Any) -> None:
                                          ("cpu-tiled", torch.float16),
                                          ("gpu", torch.bfloat16), ("gpu", torch.float16)])
 @pytest.mark.parametrize("variant", ["plain", "window", "alibi", "budget"])
-def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, monkeypatch):
+def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, monkeypatch, force):
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
     compute, layout, path = SETUPS[setup]
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(prefix, "FORCE_PATH", path)
+    force(compute=compute, layout=layout, path=path)
     length, heads, kv = 600, 4, 2
     p = prompt(length, heads, kv, 32, dtype, seed=26)
     kw: Dict[str, Any] = {}
@@ -141,14 +138,12 @@ def test_every_tile_sees_the_same_calls_in_every_slicing(setup, dtype, variant, 
         assert len(firsts) > len(set(firsts)), sorted(whole.calls)
 
 
-def test_a_float32_rerun_is_per_tile_and_the_same_calls(monkeypatch):
+def test_a_float32_rerun_is_per_tile_and_the_same_calls(monkeypatch, force):
     """Rows whose float16 scores overflow run again in float32: one absolute tile, the same
     calls in every slicing."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(compute="native", layout="generic", path="tiled")
     p = prompt(300, 4, 1, 128, torch.float16, seed=5)
     loud = torch.arange(300) % 7 == 3
     p["q"][loud] = 100.0
@@ -183,12 +178,11 @@ class _Elements(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("formulation", ["cpu", "gpu"])
-def test_decode_elements_do_not_depend_on_the_batch(formulation, monkeypatch):
+def test_decode_elements_do_not_depend_on_the_batch(formulation, force):
     if formulation == "gpu":
         if not cpu_half_gemm():
             pytest.skip("no float16 GEMM on this CPU torch")
-        monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-        monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+        force(compute="native", layout="generic")
         dtype = torch.float16
     else:
         dtype = torch.float32
@@ -276,15 +270,14 @@ def _decode_batches(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_decode_device_products_are_fixed_whatever_the_batch(dtype, monkeypatch):
+def test_decode_device_products_are_fixed_whatever_the_batch(dtype, force):
     """Every product and inexact reduction of a decode call, batch dimension, strides,
     alignment and dtype included, is one of the calls the target sequence makes alone (and
     vice versa): the batch mates, their order, the block table's padding columns, the bound
     and the budget's passes change how many there are, never what they are."""
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    force(compute="native", layout="generic")
     (q, kc, vc, table, sl), alone, batches = _decode_batches(dtype)
 
     def record(rows, width, bound, budget):
@@ -308,14 +301,13 @@ def test_decode_device_products_are_fixed_whatever_the_batch(dtype, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decode_device_rows_are_bit_identical_whatever_the_batch(dtype, threads,
-                                                                 monkeypatch):
+                                                                 force):
     """The same batches, compared bit for bit at one thread and at torch's default count
     (the issue's case: a sequence of one tile alone, batch count 1, against it beside a
     mate)."""
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+    force(compute="native", layout="generic")
     (q, kc, vc, table, sl), alone, batches = _decode_batches(dtype)
 
     def row(rows, width, bound, budget):

@@ -181,13 +181,12 @@ def _python_calls(fn):
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
-def test_call_count_independent_of_num_seqs(path, monkeypatch):
+def test_call_count_independent_of_num_seqs(path, force):
     """While one pass fits the budget, the Python-level work of a call does not grow with
     the number of sequences, each cache is gathered once, and on the device path the op
     sequence is the same (on CPU a reshape may be a view for one sequence)."""
     layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    force(layout=layout, compute=compute)
     counts, ops = [], []
     for num_seqs in (1, 16):
         q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 16, [400] * num_seqs)
@@ -207,14 +206,13 @@ def test_call_count_independent_of_num_seqs(path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
-def test_plan_bounded_for_huge_batches(path, monkeypatch):
+def test_plan_bounded_for_huge_batches(path, force):
     """4,096 sequences over 32,768 positions (8 KV heads of 128, bf16): the plan's passes
     keep the working set under the budget (groups of sequences, one tile per pass at
     worst on CPUs; on devices the products' chunk is the same as for one sequence), with
     the same fixed tile as a single sequence."""
     layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    force(layout=layout, compute=compute)
     q = torch.empty(4096, 32, 128, dtype=torch.bfloat16, device="meta")
     kc = torch.empty(4096 * 2048, 8, 16, 16, 8, dtype=torch.bfloat16, device="meta")
     vc = torch.empty(4096 * 2048, 8, 128, 16, dtype=torch.bfloat16, device="meta")
@@ -232,14 +230,13 @@ def test_plan_bounded_for_huge_batches(path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("budget_mb", [2, 8])
-def test_peak_memory_under_budget(path, budget_mb, monkeypatch):
+def test_peak_memory_under_budget(path, budget_mb, force):
     """The working set of a call (tools.memtrack, besides the output) stays under
     ``budget_mb`` whatever the context, and the answer does not depend on the budget (the
     device path's budgets here: its minimum working set, the products' chunk and one
     sequence, plus 2 or 8 MiB: ``test_memory_budget.py`` holds the rest)."""
     layout, compute = {"cpu": ("fast", "fp32"), "gpu": ("generic", "native")}[path]
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
+    force(layout=layout, compute=compute)
     q, kc, vc, bt, sl = _case(torch.bfloat16, 128, 8, 4, 16, [6000, 3000, 17, 0], seed=2)
     if path == "gpu":
         spec = _common.check_cache(kc, vc, q.dtype, "auto")

@@ -15,7 +15,7 @@ import torch
 from helpers.reference import (cpu_half_gemm, empty_caches, fp8_available, make_cache,
                                ref_decode, rel_error, write)
 
-from vllm_bi100_patch.attention.kernels import _common, paged_decode
+from vllm_bi100_patch.attention.kernels import paged_decode
 
 HEADS, KV, D, BS, LEN = 4, 1, 64, 16, 100
 
@@ -46,18 +46,18 @@ CASES = {
 }
 
 
-def _mode(monkeypatch, mode):
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native" if mode == "gpu" else "fp32")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic" if mode == "gpu" else None)
+def _mode(force, mode):
+    force(compute="native" if mode == "gpu" else "fp32",
+          layout="generic" if mode == "gpu" else None)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_very_large_scores_are_finite_and_right(name, mode, monkeypatch):
+def test_very_large_scores_are_finite_and_right(name, mode, force):
     dtype, kw = CASES[name]
     if dtype == torch.float16 and mode == "gpu" and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _mode(monkeypatch, mode)
+    _mode(force, mode)
     q, kc, vc, table, k, v = _case(dtype, **kw)
     write(kc, vc, table[0], 0, k, v)
     seq_lens = torch.tensor([LEN], dtype=torch.int32)
@@ -70,10 +70,10 @@ def test_very_large_scores_are_finite_and_right(name, mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_zero_scale_is_the_plain_mean(dtype, mode, monkeypatch):
+def test_a_zero_scale_is_the_plain_mean(dtype, mode, force):
     if dtype == torch.float16 and mode == "gpu" and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _mode(monkeypatch, mode)
+    _mode(force, mode)
     q, kc, vc, table, k, v = _case(dtype)
     write(kc, vc, table[0], 0, k, v)
     seq_lens = torch.tensor([LEN - 3], dtype=torch.int32)  # slots past the end: hidden
@@ -84,8 +84,8 @@ def test_a_zero_scale_is_the_plain_mean(dtype, mode, monkeypatch):
 
 @pytest.mark.skipif(not fp8_available(), reason="torch without float8 dtypes")
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
-def test_a_zero_fp8_k_scale_is_the_plain_mean(mode, monkeypatch):
-    _mode(monkeypatch, mode)
+def test_a_zero_fp8_k_scale_is_the_plain_mean(mode, force):
+    _mode(force, mode)
     q, _, _, table, _, _ = _case(torch.bfloat16)
     kc, vc = make_cache(LEN // BS + 2, KV, D, BS, torch.bfloat16, "fp8",
                         torch.Generator().manual_seed(8))

@@ -18,7 +18,8 @@ from helpers.reference import cpu_half_gemm, fp8_available, make_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_bi100_patch.attention.kernels import _common, paged_decode
+from vllm_bi100_patch.attention.kernels.forced import forced
+from vllm_bi100_patch.attention.kernels import paged_decode
 
 #: (tile layout, compute mode), as the ``formulation`` fixture of ``conftest.py``.
 FORMULATIONS = {"cpu": ("fast", "fp32"), "generic-fp32": ("generic", "fp32"),
@@ -92,9 +93,5 @@ def _run(case: dict) -> None:
 @given(case=batches())
 def test_decode_output_independent_of_the_batch(case, threads):
     layout, compute = FORMULATIONS[case["formulation"]]
-    saved = _common.FORCE_LAYOUT, _common.FORCE_COMPUTE
-    _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = layout, compute
-    try:
+    with forced(layout=layout, compute=compute):
         _run(case)
-    finally:
-        _common.FORCE_LAYOUT, _common.FORCE_COMPUTE = saved

@@ -88,35 +88,34 @@ def test_clear_errors(call, match):
 
 # --- issue 21, items 4-6: the dense kernel's range and tile choice -------------------------
 
-def _gpu_mode(monkeypatch):
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
+def _gpu_mode(force):
+    force(compute="native", layout="generic")
 
 
-def test_large_scores_at_head_256_are_not_nan_in_float16(monkeypatch):
+def test_large_scores_at_head_256_are_not_nan_in_float16(monkeypatch, force):
     """q = k = 24 in every component of a 256-wide head: q.k = 147,456 is past float16
     before the scale, 9,216 after it; every score is the same, so the answer is the
     values' mean (1), as in float32 mode (item 4: the GEMM used to round q.k unscaled)."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     n = 64
     q = torch.full((n, 4, 256), 24.0, dtype=torch.float16)
     k = torch.full((n, 1, 256), 24.0, dtype=torch.float16)
     v = torch.ones(n, 1, 256, dtype=torch.float16)
     out = dense.varlen_attention(q, k, v, [n], 256 ** -0.5)
     assert torch.equal(out, torch.ones_like(out))
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "fp32")
+    force(compute="fp32")
     assert torch.equal(dense.varlen_attention(q, k, v, [n], 256 ** -0.5), out)
 
 
-def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(monkeypatch):
+def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(force):
     """q = 64, k = -64 at head 256: every scaled score is -65,536, -inf in float16; under a
     1 MiB budget the 600 keys span several key groups, so no row's running max is ever
     finite and its weights are all 0: the row is recomputed in float32 (it was 0/0, NaN)."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     n = 600
     q = torch.full((n, 4, 256), 64.0, dtype=torch.float16)
     k = torch.full((n, 1, 256), -64.0, dtype=torch.float16)
@@ -126,7 +125,7 @@ def test_scores_below_the_float16_range_in_every_key_group_are_recomputed(monkey
 
 
 @pytest.mark.parametrize("spread", [0.2, 1.5])
-def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
+def test_values_near_the_float16_limit_stay_finite(spread, force, caplog):
     """Values at 65,504 (the largest float16): every output is 65,504 or one ulp below.  ``P.V`` is a
     weighted mean (the weights normalised by the softmax, halved so that weights rounded to
     a sum just over 1 cannot carry it past float16), whether the weights are near-uniform
@@ -136,7 +135,7 @@ def test_values_near_the_float16_limit_stay_finite(spread, monkeypatch, caplog):
     clamped."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _gpu_mode(monkeypatch)
+    _gpu_mode(force)
     caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
     g = torch.Generator().manual_seed(5)
     lens = [500, 500, 500, 500]
@@ -165,10 +164,9 @@ def test_tile_choice_never_collapses():
 
 
 @pytest.mark.parametrize("compute", ["fp32", "native"])
-def test_peak_within_the_budget_in_both_modes(compute, monkeypatch):
+def test_peak_within_the_budget_in_both_modes(compute, force):
     """2,048 tokens of 16/16 heads of 256 under 64 MiB (float32 mode used to exceed it)."""
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic" if compute == "native" else None)
+    force(compute=compute, layout="generic" if compute == "native" else None)
     dtype = torch.bfloat16
     q, k, v, _ = _inputs(16, 16, 256, dtype, [2048], seed=6)
     with PeakMemory() as mem:

@@ -16,9 +16,8 @@ DEVICE = torch.device(os.environ.get("BI100_TEST_DEVICE", "cpu"))
 
 @pytest.fixture(autouse=True)
 def _device_formulation():
-    saved = device_checks.use_device_formulation(DEVICE)
-    yield
-    device_checks.restore(saved)
+    with device_checks.device_formulation(DEVICE):
+        yield
 
 
 @pytest.mark.parametrize("check", device_checks.CHECKS, ids=lambda c: c.__name__)

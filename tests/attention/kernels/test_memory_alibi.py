@@ -35,10 +35,10 @@ def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(_attend, "_warned", set())
 
 
-def test_decode_with_alibi_stays_within_its_budget(monkeypatch, caplog):
+def test_decode_with_alibi_stays_within_its_budget(force, caplog):
     """The issue's reproducer: within 64 MiB (or warned), and ALiBi's share of the working
     set is its distances, about 1% here (the minimum with and without it differ by that)."""
-    _mode(monkeypatch, "generic", "native")
+    _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     q, kc, vc, bt, sl = _decode_case([6000] * 32, 32, 8, 64, torch.bfloat16)
     spec = _common.check_cache(kc, vc, q.dtype, "auto")
@@ -55,9 +55,9 @@ def test_decode_with_alibi_stays_within_its_budget(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("budget_mb", [1, 2])
-def test_prefix_with_alibi_stays_within_its_budget(budget_mb, monkeypatch, caplog):
+def test_prefix_with_alibi_stays_within_its_budget(budget_mb, force, caplog):
     """The issue's reproducer (1 MiB) and one above: the float32 distances are counted."""
-    _mode(monkeypatch, "generic", "native")
+    _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     args = _prefix_case(3000, 200, 1, 1, 128, torch.bfloat16, seed=budget_mb)
     slopes = torch.tensor([0.5])
@@ -68,11 +68,11 @@ def test_prefix_with_alibi_stays_within_its_budget(budget_mb, monkeypatch, caplo
 
 
 @pytest.mark.parametrize("budget_mb", [1, 2, 4, 16])
-def test_window_minimum_counts_the_keys_the_window_lets_in(budget_mb, monkeypatch, caplog):
+def test_window_minimum_counts_the_keys_the_window_lets_in(budget_mb, force, caplog):
     """Within the budget wherever it is at least the minimum, warned below it, and the
     minimum named is at most twice the measured peak where it warns (it was 3x: 2.9 MiB
     named for a 0.95 MiB peak at 1 MiB; now 1.7 MiB for 1.1)."""
-    _mode(monkeypatch, "generic", "native")
+    _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     args = _prefix_case(2000, 300, 8, 8, 64, torch.bfloat16, seed=budget_mb)
     peak = _peak(lambda: prefix.paged_prefix(*args, budget_mb=budget_mb, sliding_window=5))

@@ -39,10 +39,8 @@ def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(_attend, "_warned", set())
 
 
-def _mode(monkeypatch, layout, compute, path="tiled"):
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
-    monkeypatch.setattr(prefix, "FORCE_PATH", path)
+def _mode(force, layout, compute, path="tiled"):
+    force(layout=layout, compute=compute, path=path)
 
 
 def _peak(fn):
@@ -94,9 +92,9 @@ def _check(peak, least, budget_mb, caplog, what):
 
 
 @pytest.mark.parametrize("layout,compute", MODES)
-def test_the_issues_prefix_case_stays_under_8_mib(layout, compute, monkeypatch, caplog):
+def test_the_issues_prefix_case_stays_under_8_mib(layout, compute, force, caplog):
     """float16, 4/1 heads of 256, 4,096 cached + 256 new tokens, 8 MiB."""
-    _mode(monkeypatch, layout, compute)
+    _mode(force, layout, compute)
     caplog.set_level(logging.WARNING, logger=LOGGER)
     args = _prefix_case(4096, 256, 4, 1, 256, torch.float16)
     peak = _peak(lambda: prefix.paged_prefix(*args, budget_mb=8))
@@ -110,10 +108,10 @@ def test_the_issues_prefix_case_stays_under_8_mib(layout, compute, monkeypatch, 
 @pytest.mark.parametrize("budget_mb", [1, 3, 16, 64])
 @pytest.mark.parametrize("variant", ["plain", "window"])
 def test_prefix_and_dense_peaks(layout, compute, dtype, budget_mb, variant, monkeypatch,
-                                caplog):
+                                caplog, force):
     """A long context over several key groups at small budgets (tiles spanning groups,
     halving tiles), and the dense kernel over a whole prompt."""
-    _mode(monkeypatch, layout, compute)
+    _mode(force, layout, compute)
     caplog.set_level(logging.WARNING, logger=LOGGER)
     heads, kv, d = 8, 2, 128
     window = 1500 if variant == "window" else None
@@ -135,10 +133,10 @@ def test_prefix_and_dense_peaks(layout, compute, dtype, budget_mb, variant, monk
 
 @pytest.mark.parametrize("layout,compute", MODES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_peaks(layout, compute, dtype, monkeypatch, caplog):
+def test_decode_peaks(layout, compute, dtype, monkeypatch, caplog, force):
     """Budgets from below the minimum working set up to one pass: the peak stays under each
     one at or above the minimum (groups of sequences), a WARNING names each one below."""
-    _mode(monkeypatch, layout, compute)
+    _mode(force, layout, compute)
     caplog.set_level(logging.WARNING, logger=LOGGER)
     lens = [6000, 3000, 17, 0, 5000, 2500]
     q, kc, vc, bt, sl = _decode_case(lens, 8, 2, 128, dtype)
@@ -158,12 +156,12 @@ def test_decode_peaks(layout, compute, dtype, monkeypatch, caplog):
         _check(peak, least, budget_mb, caplog, ("decode", budget_mb))
 
 
-def test_decode_minimum_at_the_field_shape(monkeypatch, caplog):
+def test_decode_minimum_at_the_field_shape(force, caplog):
     """The documented figure (docs/operating.md): at the field's shape (4/1 heads of 256,
     float16) the device path's minimum working set is about 36 MiB at 4,096 tokens, 41 MiB
     at 131,072 (the products' fixed chunk, 32 MiB of keys, is most of it), and a 32,768-token
     call under its minimum as budget stays there."""
-    _mode(monkeypatch, "generic", "native")
+    _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     q, kc, vc, bt, sl = _decode_case([32768], 4, 1, 256, torch.float16)
     spec = _common.check_cache(kc, vc, q.dtype, "auto")

@@ -40,8 +40,8 @@ from helpers.reference import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vllm_bi100_patch.attention.kernels.forced import forcing
 from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 def worst_errors(dtype, amps=(1.0, 3.0, 6.0), head_sizes=(64, 128), device="cpu"):
     """Worst relative decode and prefix (tiled path, several tiles) errors over the grid."""
@@ -59,9 +59,9 @@ def worst_errors(dtype, amps=(1.0, 3.0, 6.0), head_sizes=(64, 128), device="cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_error_within_stated_tolerance(dtype, formulation, monkeypatch):
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
-    bound = TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+def test_error_within_stated_tolerance(dtype, formulation, force):
+    force(path="tiled")
+    bound = TOLERANCE[(forcing().compute, dtype)]
     decode_err, prefix_err = worst_errors(dtype)
     assert decode_err <= bound and prefix_err <= bound, (decode_err, prefix_err, bound)
 
@@ -82,9 +82,9 @@ class _GemmLog(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gemm_inputs_follow_the_compute_mode(dtype, formulation, monkeypatch):
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
-    want = {torch.float32} if _common.FORCE_COMPUTE == "fp32" else {dtype}
+def test_gemm_inputs_follow_the_compute_mode(dtype, formulation, force):
+    force(path="tiled")
+    want = {torch.float32} if forcing().compute == "fp32" else {dtype}
     with _GemmLog() as log:
         paged_decode(*decode_inputs(dtype, 64, 1.0, 0), 0.125)
     assert log.dtypes == want
@@ -93,12 +93,12 @@ def test_gemm_inputs_follow_the_compute_mode(dtype, formulation, monkeypatch):
     assert log.dtypes == want
 
 
-def test_compute_mode_by_device(monkeypatch):
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", None)
+def test_compute_mode_by_device(force):
+    force(compute=None)
     assert _common.compute_mode(torch.device("cpu")) == "fp32"
     for dev in ("cuda", "cuda:1", "meta"):
         assert _common.compute_mode(torch.device(dev)) == "native"
     assert _common.work_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
     assert _common.work_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
+    force(compute="native")
     assert _common.work_dtype(torch.float16, torch.device("cpu")) == torch.float16

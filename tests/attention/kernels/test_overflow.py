@@ -24,24 +24,25 @@ from helpers.reference import (
     rel_error,
 )
 
-from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.forced import forcing
+from vllm_bi100_patch.attention.kernels import paged_decode, paged_prefix
 from vllm_bi100_patch.attention.kernels.prefill import prefix
 from vllm_bi100_patch.ops.selftest.magnitudes import decode_from, large_magnitude_errors, magnitude_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_large_magnitudes_within_tolerance(dtype, formulation, monkeypatch):
+def test_large_magnitudes_within_tolerance(dtype, formulation, force):
     if formulation == "gpu":  # the same grid, formulation and dtypes as this check on CPU
         pytest.skip("test_device.py::test_device_check[check_large_magnitudes] runs it")
-    monkeypatch.setattr(prefix, "FORCE_PATH", None)
+    force(path=None)
     assert large_magnitude_errors(torch.device("cpu"), dtype) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_issue_reproductions_are_finite(dtype, formulation, monkeypatch):
+def test_issue_reproductions_are_finite(dtype, formulation, force):
     """Keys 0 and values 128 over 4,096 tokens (prefix), values 300 (decode), q = k = 24 in
     every component of a 128-wide head (decode): the exact answers are 128, 300 and 1."""
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     case = magnitude_case(dtype, 4096, 4, 1.0, 0.0, 128.0, constant=True)
     assert torch.equal(paged_prefix(*case).float(), torch.full(case[0].shape, 128.0))
     case = magnitude_case(dtype, 4096, 1, 1.0, 1.0, 300.0, constant=True)
@@ -66,17 +67,17 @@ def _alibi_case(dtype, ctx, head_size=16):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_alibi_bias_at_70k_tokens(dtype, formulation, monkeypatch):
+def test_alibi_bias_at_70k_tokens(dtype, formulation, force):
     """Distances past 65,504 (slopes 0 and 0.5): the bias is computed in float32, so a slope
     of 0 gives a bias of 0, never 0 * inf."""
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     ctx = 70_000
     case, dense_k, dense_v = _alibi_case(dtype, ctx)
     slopes = torch.tensor([0.0, 0.5])
     out = paged_prefix(*case, scale=0.25, alibi_slopes=slopes)
     assert out.isfinite().all()
     ref = attend(case[0], dense_k, dense_v, [ctx, ctx + 1], 0.25, slopes)
-    assert rel_error(out, ref) <= TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+    assert rel_error(out, ref) <= TOLERANCE[(forcing().compute, dtype)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -94,18 +95,16 @@ def test_window_hidden_slots_never_reach_the_output(dtype, poison, path, formula
     out = paged_prefix(*case[:3], kc, vc, *case[5:], sliding_window=5)
     assert torch.equal(out, clean)
     ref = ref_prefix(*case, 64 ** -0.5, sliding_window=5)
-    assert rel_error(out, ref) <= TOLERANCE[(_common.FORCE_COMPUTE, dtype)]
+    assert rel_error(out, ref) <= TOLERANCE[(forcing().compute, dtype)]
 
 
-def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch):
+def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, force):
     """q = k = 100 in every component of a 128-wide head: scale * q.k = 113,137 is past the
     float16 range even when scaled first; those rows are recomputed with float32 products
     (a WARNING says so) and their answer is the exact uniform mean (the values, 1,000).  The
     rows of the other sequence (q = k = 1) are not recomputed: they are the rows it gets
     alone (the re-run is decided per row)."""
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(compute="native", layout="generic", path="tiled")
     caplog.set_level(logging.WARNING, logger="vllm.bi100_patch")
     quiet = magnitude_case(torch.float16, 64, 4, 1.0, 1.0, 1000.0, constant=True)
     loud = magnitude_case(torch.float16, 64, 4, 100.0, 100.0, 1000.0, constant=True)
@@ -132,7 +131,7 @@ def test_overflowed_float16_scores_are_recomputed_in_float32(caplog, monkeypatch
 
 def _needs_half_gemm():
     """The GPU formulation of a float16 call needs float16 GEMMs on CPU (not in torch 2.1)."""
-    if _common.FORCE_COMPUTE == "native" and not cpu_half_gemm():
+    if forcing().compute == "native" and not cpu_half_gemm():
         pytest.skip(f"torch {torch.__version__} has no float16 GEMM on CPU")
 
 

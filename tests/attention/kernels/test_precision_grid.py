@@ -41,8 +41,6 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm
 
-from vllm_bi100_patch.attention.kernels import _common
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 from vllm_bi100_patch.ops.selftest.precision import ALL_ROWS, DIFFUSE_ROWS, MAX_RATIO, precision_rows
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -51,10 +49,8 @@ WORST = [("diffuse0.1", 4.5), ("sink", 1000.0), ("sigma", 30.0)]
 
 
 @pytest.fixture(autouse=True)
-def gpu_mode(monkeypatch):
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+def gpu_mode(force):
+    force(compute="native", layout="generic", path="tiled")
 
 
 def _within(rows):

@@ -20,8 +20,6 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm
 
-from vllm_bi100_patch.attention.kernels import _common
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 from vllm_bi100_patch.ops.selftest.precision import MAX_RATIO, ROWS, precision_rows
 
 DTYPES = [torch.bfloat16] + ([torch.float16] if cpu_half_gemm() else [])
@@ -30,10 +28,8 @@ CASES = [("decode", "plain")] + [(kernel, variant) for kernel in ("prefix", "den
 
 
 @pytest.fixture
-def gpu_mode(monkeypatch):
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", "native")
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+def gpu_mode(force):
+    force(compute="native", layout="generic", path="tiled")
 
 
 @pytest.mark.parametrize("kernel,variant", CASES)

@@ -19,7 +19,6 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm, make_cache, make_tables, ref_prefix
 
-from vllm_bi100_patch.attention.kernels import _common
 from vllm_bi100_patch.attention.kernels.prefill import dense, prefix
 
 CTX, NEW, HEADS, KV, HEAD, BLOCK = 256, 64, 4, 1, 128, 16
@@ -45,38 +44,37 @@ def _median_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).abs()[seen] / mag[seen]).median().item()
 
 
-def _modes(monkeypatch, run):
+def _modes(force, run):
     """``run()``'s output in the CPU mode and in the GPU compute mode."""
     outs = []
     for mode in ("fp32", "native"):
-        monkeypatch.setattr(_common, "FORCE_COMPUTE", mode)
-        monkeypatch.setattr(_common, "FORCE_LAYOUT", "generic" if mode == "native" else None)
+        force(compute=mode, layout="generic" if mode == "native" else None)
         outs.append(run())
     return outs
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-3])
-def test_prefix_median_error_at_every_value_scale(scale, alibi, monkeypatch):
+def test_prefix_median_error_at_every_value_scale(scale, alibi, force):
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     args = _inputs(scale)
     slopes = SLOPES if alibi else None
     ref = ref_prefix(*args, HEAD ** -0.5, alibi_slopes=slopes)
-    cpu, gpu = _modes(monkeypatch, lambda: prefix.paged_prefix(*args, alibi_slopes=slopes))
+    cpu, gpu = _modes(force, lambda: prefix.paged_prefix(*args, alibi_slopes=slopes))
     assert _median_rel(cpu, ref) <= 1e-3
     assert _median_rel(gpu, ref) <= 1e-3, (scale, alibi, _median_rel(gpu, ref))
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("scale", [1.0, 1e-3])
-def test_dense_median_error_at_every_value_scale(scale, alibi, monkeypatch):
+def test_dense_median_error_at_every_value_scale(scale, alibi, force):
     """The dense kernel over the same 320 tokens as one prompt (its rows are the prefix
     kernel's, so the same bound holds for every row)."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     g = torch.Generator().manual_seed(27)
     n = CTX + NEW
     q = torch.randn(n, HEADS, HEAD, generator=g).half()
@@ -87,7 +85,7 @@ def test_dense_median_error_at_every_value_scale(scale, alibi, monkeypatch):
     ref = ref_prefix(q, k, v, empty, torch.zeros(1, KV, HEAD, BLOCK, dtype=torch.float16),
                      torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, n]),
                      torch.tensor([n]), torch.tensor([0]), HEAD ** -0.5, alibi_slopes=slopes)
-    cpu, gpu = _modes(monkeypatch, lambda: dense.varlen_attention(
+    cpu, gpu = _modes(force, lambda: dense.varlen_attention(
         q, k, v, [n], HEAD ** -0.5, alibi_slopes=slopes))
     assert _median_rel(cpu, ref) <= 1e-3
     assert _median_rel(gpu, ref) <= 1e-3, (scale, alibi, _median_rel(gpu, ref))

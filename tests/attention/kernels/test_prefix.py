@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tools.memtrack import PeakMemory
 
+from vllm_bi100_patch.attention.kernels.forced import forced
 from vllm_bi100_patch.attention.kernels import _common, paged_prefix
 from vllm_bi100_patch.attention.kernels.prefill import _attend
 from vllm_bi100_patch.attention.kernels.prefill import _plan as _prefix_plan
@@ -94,9 +95,9 @@ def test_fp8_context(kv_cache_dtype, path):
     torch.testing.assert_close(out.double(), ref, atol=6e-2, rtol=0)
 
 
-def test_small_budget_tiles_queries_and_keys(formulation, monkeypatch):
+def test_small_budget_tiles_queries_and_keys(formulation, force):
     # 1 MiB forces several query chunks and key groups; the answer must not change.
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     args = _case(torch.float32, 64, 8, 2, 16, [240, 0, 33], [160, 40, 1], seed=5)
     work = _common.work_dtype(torch.float32, torch.device("cpu"))
     til = _prefix_plan.tiling(8, 2, 64, 16, work, 1 << 20)
@@ -125,9 +126,9 @@ def test_budget_default_is_256_mib_and_the_environment_is_not_read(monkeypatch):
 
 
 @pytest.mark.parametrize("budget_mb", [4, 16])
-def test_peak_memory_under_budget_and_flat_in_context(budget_mb, monkeypatch):
+def test_peak_memory_under_budget_and_flat_in_context(budget_mb, force):
     # The tiled path; the SDPA path's memory grows with the context (next test).
-    monkeypatch.setattr(prefix, "FORCE_PATH", "tiled")
+    force(path="tiled")
     peaks = []
     for ctx in (2400, 4800):
         args = _case(torch.bfloat16, 128, 8, 2, 16, [ctx], [128], seed=ctx)
@@ -264,16 +265,13 @@ def test_budget_and_window_errors():
     seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), min_size=1, max_size=4),
     window=st.one_of(st.none(), st.integers(1, 70)),
     use_alibi=st.booleans(),
-    force=st.sampled_from(["sdpa", "tiled"]),
+    forced_path=st.sampled_from(["sdpa", "tiled"]),
     seed=st.integers(0, 2**16),
 )
 def test_property_matches_reference(dtype, kv_heads, group, block_size, seqs, window,
-                                    use_alibi, force, seed):
-    prefix.FORCE_PATH = force
-    try:
+                                    use_alibi, forced_path, seed):
+    with forced(path=forced_path):
         _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, seed)
-    finally:
-        prefix.FORCE_PATH = None
 
 
 def _property_case(dtype, kv_heads, group, block_size, seqs, window, use_alibi, seed):

@@ -23,8 +23,6 @@ from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_bi100_patch.attention.kernels import _common
-from vllm_bi100_patch.attention.kernels.prefill import prefix
 
 #: (compute mode, layout, path) as the kernels run them: CPU default (SDPA where allowed),
 #: CPU tiled (fp32 mode: ALiBi, float16, over budget), the GPU compute mode (tiled).
@@ -32,11 +30,9 @@ SETUPS = {"cpu-default": ("fp32", None, None), "cpu-tiled": ("fp32", None, "tile
           "gpu": ("native", "generic", "tiled")}
 
 
-def _setup(monkeypatch, name: str) -> None:
+def _setup(force, name: str) -> None:
     compute, layout, path = SETUPS[name]
-    monkeypatch.setattr(_common, "FORCE_COMPUTE", compute)
-    monkeypatch.setattr(_common, "FORCE_LAYOUT", layout)
-    monkeypatch.setattr(prefix, "FORCE_PATH", path)
+    force(compute=compute, layout=layout, path=path)
 
 
 # --- issue 20's table, as filed: 1,024 tokens, 8/2 heads of 128, block 16 ----------------
@@ -53,8 +49,8 @@ SLICINGS = {
                                          ("cpu-default", torch.bfloat16),
                                          ("gpu", torch.bfloat16)])
 @pytest.mark.parametrize("slicing", sorted(SLICINGS))
-def test_issue_table_rows_896_to_1023(setup, dtype, slicing, monkeypatch):
-    _setup(monkeypatch, setup)
+def test_issue_table_rows_896_to_1023(setup, dtype, slicing, force):
+    _setup(force, setup)
     p = prompt(1024, 8, 2, 128, dtype, seed=20)
     whole = prefix_rows(p, [(0, 1024)])
     steps = SLICINGS[slicing]
@@ -66,12 +62,12 @@ def test_issue_table_rows_896_to_1023(setup, dtype, slicing, monkeypatch):
 @pytest.mark.parametrize("setup,dtype", [("cpu-tiled", torch.float32),
                                          ("cpu-default", torch.bfloat16),
                                          ("gpu", torch.bfloat16), ("gpu", torch.float16)])
-def test_head_256_dense_prompt_equals_prefix_after_a_hit(setup, dtype, monkeypatch):
+def test_head_256_dense_prompt_equals_prefix_after_a_hit(setup, dtype, force):
     """The vendor build's head-256 case: the uncached prompt through row ``dense_prefill``'s
     kernel, the same prompt with 896 tokens cached through the prefix kernel."""
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     p = prompt(1024, 8, 2, 256, dtype, seed=21)
     dense = dense_rows(p)
     assert same_rows(prefix_rows(p, hit(1024, 896)), dense[896:])
@@ -86,10 +82,10 @@ VARIANTS = {"gqa": {}, "window": {"sliding_window": 37}, "alibi": {"alibi": True
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_slicings_and_batch_mates(setup, dtype, variant, monkeypatch):
+def test_slicings_and_batch_mates(setup, dtype, variant, force):
     if dtype == torch.float16 and SETUPS[setup][0] == "native" and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     length, heads = 300, 8
     p = prompt(length, heads, 2, 32, dtype, seed=3)
     kw = dict(VARIANTS[variant])
@@ -106,13 +102,13 @@ def test_slicings_and_batch_mates(setup, dtype, variant, monkeypatch):
 
 @pytest.mark.parametrize("setup,dtype", [("cpu-tiled", torch.float32), ("gpu", torch.float16),
                                          ("gpu", torch.bfloat16)])
-def test_small_budget_tiles_over_several_key_groups(setup, dtype, monkeypatch):
+def test_small_budget_tiles_over_several_key_groups(setup, dtype, force):
     """1 MiB: key groups of 256 positions (a tile's row spans two or three: its scores kept
     while K is staged group by group, its ``P.V`` added in group order) and tile sizes
     halving from 128 to 32 over the prompt; the rows are the same in every slicing."""
     if dtype == torch.float16 and not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     length = 700
     p = prompt(length, 4, 2, 32, dtype, seed=7)
     whole = prefix_rows(p, [(0, length)], budget_mb=1)
@@ -125,11 +121,11 @@ def test_small_budget_tiles_over_several_key_groups(setup, dtype, monkeypatch):
 
 @pytest.mark.skipif(not fp8_available(), reason="torch without float8 dtypes")
 @pytest.mark.parametrize("setup", sorted(SETUPS))
-def test_fp8_cache_new_tokens_read_as_cached(setup, monkeypatch):
+def test_fp8_cache_new_tokens_read_as_cached(setup, force):
     """fp8 caches: a token's K/V are rounded through fp8 whether new in the call or cached
     by an earlier one, so the rows agree; the dense kernel does the same when told the cache
     format."""
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     p = prompt(200, 8, 2, 32, torch.bfloat16, seed=4)
     fp8 = {"kv_cache_dtype": "fp8"}
     whole = prefix_rows(p, [(0, 200)], **fp8)
@@ -140,13 +136,13 @@ def test_fp8_cache_new_tokens_read_as_cached(setup, monkeypatch):
 
 
 @pytest.mark.parametrize("setup", ["cpu-tiled", "gpu"])
-def test_float16_rerun_is_decided_per_row(setup, monkeypatch):
+def test_float16_rerun_is_decided_per_row(setup, force):
     """Rows whose float16 scores overflow (q = k = 100 in every component: scale * q.k is
     past 65,504) are recomputed in float32, per row: their neighbours keep their float16
     rows, and every slicing gives the same rows for both."""
     if not cpu_half_gemm():
         pytest.skip("no float16 GEMM on this CPU torch")
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     p = prompt(160, 4, 1, 128, torch.float16, seed=5)
     loud = torch.arange(160) % 7 == 3
     p["q"][loud] = 100.0
@@ -179,13 +175,13 @@ def slicings(draw, length: int):
        extra=st.sampled_from(["none", "window", "alibi", "fp8"]),
        length=st.integers(20, 90), mates=st.integers(0, 2), seed=st.integers(0, 999))
 def test_property_rows_do_not_depend_on_the_slicing(data, setup, dtype, kv, group, extra,
-                                                     length, mates, seed, monkeypatch,
+                                                     length, mates, seed, force,
                                                      threads):
     if dtype == torch.float16 and SETUPS[setup][0] == "native" and not cpu_half_gemm():
         return
     if extra == "fp8" and (dtype == torch.float32 or not fp8_available()):
         extra = "none"
-    _setup(monkeypatch, setup)
+    _setup(force, setup)
     heads = kv * group
     p = prompt(length, heads, kv, 32, dtype, seed)
     kw = {}

@@ -15,6 +15,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from .forced import forcing
+
 
 ScaleLike = Union[float, torch.Tensor]
 
@@ -187,19 +189,14 @@ def fast_layout(device: torch.device) -> bool:
     On CPU, strided copies with a short or strided inner dimension are slow, so keys are
     transposed as 16-byte units and decode values are consumed block by block without a
     transpose.  Other devices handle strided copies well and gather each tile in one
-    strided ``index_select``.  ``FORCE_LAYOUT`` (``"fast"``/``"generic"``) overrides the
-    choice (tests use it).
+    strided ``index_select``.  ``forced(layout="fast"/"generic")`` overrides the choice
+    (tests use it).
     """
-    if FORCE_LAYOUT is not None:
-        return FORCE_LAYOUT == "fast"
+    layout = forcing().layout
+    if layout is not None:
+        return layout == "fast"
     return device.type == "cpu"
 
-
-#: Test hook: ``None`` (by device), ``"fast"`` or ``"generic"``.
-FORCE_LAYOUT: Optional[str] = None
-
-#: Test hook: ``None`` (by device), ``"fp32"`` or ``"native"`` (see ``compute_mode``).
-FORCE_COMPUTE: Optional[str] = None
 
 def compute_mode(device: torch.device) -> str:
     """How the kernels compute on ``device``: ``"fp32"`` or ``"native"``.
@@ -216,11 +213,12 @@ def compute_mode(device: torch.device) -> str:
     bounds the query (``bounded_query``) and normalises each tile's probabilities, the
     tiled prefix normalises each row's weights (one softmax over its query tile's row)
     and recomputes in float32 a row whose float16 scores overflowed (see those modules;
-    ``docs/bi100-limits.md`` states what is guaranteed).  ``FORCE_COMPUTE`` overrides the
-    choice (tests and the benchmark).
+    ``docs/bi100-limits.md`` states what is guaranteed).  ``forced(compute=...)`` overrides
+    the choice (tests and the benchmark).
     """
-    if FORCE_COMPUTE is not None:
-        return FORCE_COMPUTE
+    compute = forcing().compute
+    if compute is not None:
+        return compute
     return "fp32" if device.type == "cpu" else "native"
 
 

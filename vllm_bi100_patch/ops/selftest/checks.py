@@ -7,19 +7,21 @@ device that need torch only (no pytest, no vLLM).
 ``tests/attention/kernels/test_device.py`` runs them under pytest on the device named by
 ``BI100_TEST_DEVICE`` (default cpu).  On a GPU the kernels choose their own formulation,
 which must be the GPU one ("native"); on CPU the tests force that formulation
-(``use_device_formulation``), so these checks run (and can fail) everywhere.  Tolerances:
+(``device_formulation``), so these checks run (and can fail) everywhere.  Tolerances:
 ``reference.TOLERANCE``.  A check raises ``Skip`` where it does not apply, anything else
 where it fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...attention.kernels import _common, decode, paged_decode, paged_prefix
+from ...attention.kernels.forced import forced, forcing
 from ...attention.kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
@@ -29,10 +31,10 @@ from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, 
 from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
 
 #: The dtypes the checks run in (None: every dtype the device multiplies, see ``_dtypes``);
-#: ``selftest --quick`` narrows it to the model's.  Set through ``use_device_formulation``.
+#: ``selftest --quick`` narrows it to the model's.  Set through ``device_formulation``.
 DTYPES: Optional[Sequence[torch.dtype]] = None
 #: The per-rank shape of the precision check, ``(query heads, KV heads, head size)``: the
-#: model's in ``selftest`` (``use_device_formulation``), else issue 34's.
+#: model's in ``selftest`` (``device_formulation``), else issue 34's.
 SHAPE: Tuple[int, int, int] = (4, 1, 128)
 #: ``selftest --quick``: fewer precision variants.
 QUICK = False
@@ -46,31 +48,24 @@ class Skip(Exception):
     """A check that does not apply here."""
 
 
-def use_device_formulation(device: torch.device, gpu: bool = True,
-                           dtypes: Optional[Sequence[torch.dtype]] = None,
-                           shape: Optional[Tuple[int, int, int]] = None,
-                           quick: bool = False) -> Dict[str, Any]:
-    """Force the GPU formulation on CPU (``gpu``; else the CPU's own), the device's own choice
-    elsewhere; the checks' dtypes (``DTYPES``), the precision check's shape and ``QUICK``;
-    returns the previous settings for ``restore``."""
+@contextlib.contextmanager
+def device_formulation(device: torch.device, gpu: bool = True,
+                       dtypes: Optional[Sequence[torch.dtype]] = None,
+                       shape: Optional[Tuple[int, int, int]] = None,
+                       quick: bool = False) -> Iterator[None]:
+    """While inside: the GPU formulation forced on CPU (``gpu``; else the CPU's own), the
+    device's own choice elsewhere; the checks' dtypes (``DTYPES``), the precision check's
+    shape and ``QUICK``.  The previous settings come back on exit."""
     global DTYPES, SHAPE, QUICK
-    saved = {"FORCE_LAYOUT": _common.FORCE_LAYOUT, "FORCE_COMPUTE": _common.FORCE_COMPUTE,
-             "FORCE_PATH": prefix.FORCE_PATH, "DTYPES": DTYPES, "SHAPE": SHAPE,
-             "QUICK": QUICK}
+    saved = DTYPES, SHAPE, QUICK
     cpu = device.type == "cpu" and gpu
-    _common.FORCE_LAYOUT = "generic" if cpu else None
-    _common.FORCE_COMPUTE = "native" if cpu else None
-    prefix.FORCE_PATH = None
-    DTYPES, SHAPE, QUICK = dtypes, shape or SHAPE, quick
-    return saved
-
-
-def restore(saved: Dict[str, Any]) -> None:
-    global DTYPES, SHAPE, QUICK
-    _common.FORCE_LAYOUT = saved["FORCE_LAYOUT"]
-    _common.FORCE_COMPUTE = saved["FORCE_COMPUTE"]
-    prefix.FORCE_PATH = saved["FORCE_PATH"]
-    DTYPES, SHAPE, QUICK = saved["DTYPES"], saved["SHAPE"], saved["QUICK"]
+    with forced(layout="generic" if cpu else None, compute="native" if cpu else None,
+                path=None):
+        DTYPES, SHAPE, QUICK = dtypes, shape or SHAPE, quick
+        try:
+            yield
+        finally:
+            DTYPES, SHAPE, QUICK = saved
 
 
 def _sync(device: torch.device) -> None:
@@ -89,8 +84,8 @@ def _dtypes(device: torch.device) -> List[torch.dtype]:
 def check_formulation(device: torch.device) -> None:
     """The kernels compute in the GPU formulation on a GPU (and on CPU where it is forced),
     in float32 on CPU otherwise: the formulation the other checks' tolerances are for."""
-    forced = _common.FORCE_COMPUTE
-    want = "fp32" if device.type == "cpu" and forced is None else (forced or "native")
+    compute = forcing().compute
+    want = "fp32" if device.type == "cpu" and compute is None else (compute or "native")
     assert _common.compute_mode(device) == want, (_common.compute_mode(device), want)
     if device.type != "cpu":
         assert not _common.fast_layout(device)
@@ -167,16 +162,12 @@ def check_logit_precision(device: torch.device) -> None:
     heads, kv, head_size = SHAPE
     diffuse = (DIFFUSE_ROWS[1], DIFFUSE_ROWS[3]) if QUICK else DIFFUSE_ROWS
     long_ctx = LONG_CONTEXT_QUICK if QUICK else LONG_CONTEXT
-    saved = prefix.FORCE_PATH
-    prefix.FORCE_PATH = "tiled" if device.type == "cpu" else saved  # what a card runs
-    try:
+    with forced(path="tiled") if device.type == "cpu" else forced():  # what a card runs
         rows = precision_rows(device, halves, ("decode", "prefix", "dense"), ROWS + diffuse,
                               variants=("plain",) if QUICK else ("plain", "groups"),
                               heads=heads, kv_heads=kv, head_size=head_size)
         long_rows = precision_rows(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
                                    heads=heads, kv_heads=kv, head_size=head_size)
-    finally:
-        prefix.FORCE_PATH = saved
     for r in long_rows:
         r["variant"] = f"ctx {long_ctx}"
     rows += long_rows

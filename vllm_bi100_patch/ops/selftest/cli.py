@@ -209,13 +209,12 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
     out["native"] = native.describe(v1, why)
     progress(f"selftest on {dev['name']}: {shape.heads}/{shape.kv_heads} heads of "
              f"{shape.head_size}, {shape.dtype}; native: {why}")
-    saved = checks.use_device_formulation(device, a.formulation == "gpu",
-                                          [dtype] if a.quick else None,
-                                          (shape.heads, shape.kv_heads, shape.head_size),
-                                          a.quick)
-    checks.PRECISION_ROWS.clear()
-    peak = [0]
-    try:
+    with checks.device_formulation(device, a.formulation == "gpu",
+                                   [dtype] if a.quick else None,
+                                   (shape.heads, shape.kv_heads, shape.head_size),
+                                   a.quick):
+        checks.PRECISION_ROWS.clear()
+        peak = [0]
         every = list(checks.CHECKS) + native.native_checks(v1, dtype, shape.head_size)
         wanted = set(a.check or [])
         chosen = [c for c in every if not wanted or c.__name__ in wanted]
@@ -236,8 +235,6 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
         out["timings"] = rec.run(v1)
         out["not_run"] = rec.skipped
         peak[0] = int(max([r.get("peak_mib", 0) for r in rec.rows] or [0]) * MiB)
-    finally:
-        checks.restore(saved)
     if device.type == "cuda" and (not wanted or "check_memory_within_limit" in wanted):
         ok = peak[0] <= limit
         out["checks"].append({"name": "check_memory_within_limit", "ok": ok, "seconds": 0.0,

@@ -13,7 +13,7 @@ import torch
 
 from ...attention.kernels import _common, paged_decode, paged_prefix
 from ...attention.kernels.prefill import dense
-from ...attention.kernels.prefill import prefix
+from ...attention.kernels.forced import forced
 from .reference import TOLERANCE, ref_prefix, rel_error
 
 
@@ -85,11 +85,8 @@ def large_magnitude_errors(device: torch.device, dtype: torch.dtype) -> list:
         ref = ref_prefix(*case, scale)
         dev = [t.to(device) for t in case]
         for path in ["tiled"] + (["sdpa"] if device.type == "cpu" else []):
-            saved, prefix.FORCE_PATH = prefix.FORCE_PATH, path
-            try:
+            with forced(path=path):
                 out = paged_prefix(*dev, scale=scale).cpu()
-            finally:
-                prefix.FORCE_PATH = saved
             err = rel_error(out, ref)
             if not err <= bound:
                 failures.append((f"prefix {path}", ctx, qv, kv, vv, const, err))

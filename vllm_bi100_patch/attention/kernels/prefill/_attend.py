@@ -8,8 +8,8 @@ the prefix kernel after a cache hit go through the same code with the same opera
 Path per row, never per call: on CPU (SDPA allowed: float32/bfloat16, no ALiBi, a float
 scale, a verified torch) rows whose SDPA tile (absolute, ``SDPA_QUERY_TILE`` positions)
 ends where its K/V still fit the budget (``prefill._plan.sdpa_max_end``) take SDPA, the others
-the tiled path; everything else takes the tiled path.  ``FORCE_PATH`` (on the ``prefix``
-module: ``"sdpa"``/``"tiled"``) overrides it for tests and the benchmark.
+the tiled path; everything else takes the tiled path.  ``forced(path="sdpa"/"tiled")``
+(``kernels.forced``; its callers pass it as ``force``) overrides it for tests and the benchmark.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import prefix
+from ..forced import forcing
 from ._attend import attend
 from .._common import ScaleLike, scale_factor
 from ._plan import PrefixInputs, SeqSpan, tiling
@@ -132,5 +132,5 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             seqs.pop()
         q0 += q_len
         k0 += k_len
-    attend(inp, seqs, budget_mb << 20, out, prefix.FORCE_PATH, causal=causal)
+    attend(inp, seqs, budget_mb << 20, out, forcing().path, causal=causal)
     return out

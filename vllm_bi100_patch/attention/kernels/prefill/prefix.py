@@ -33,13 +33,11 @@ from .._common import (
     check_int_tensor,
     scale_factor,
 )
+from ..forced import forcing
 from ._attend import PrefixStats, attend
 from ._plan import PrefixInputs, SeqSpan, sdpa_path_ok
 
 __all__ = ["DEFAULT_BUDGET_MB", "PrefixStats", "alibi_window", "paged_prefix", "sdpa_path_ok"]
-
-#: Test hook: ``None`` (choose by budget), ``"sdpa"`` (whenever allowed) or ``"tiled"``.
-FORCE_PATH: Optional[str] = None
 
 #: Peak extra memory per call when the caller passes no budget (the shim passes its
 #: ``VLLM_BI100_PREFIX_BUDGET_MB`` setting, whose default is the same).
@@ -158,7 +156,7 @@ def paged_prefix(
         out[starts[-1]:].zero_()
     seqs = [SeqSpan(starts[i], starts[i + 1] - starts[i], contexts[i], tables[i])
             for i in range(batch)]
-    attend(inp, seqs, budget << 20, out, FORCE_PATH, stats=stats)
+    attend(inp, seqs, budget << 20, out, forcing().path, stats=stats)
     return out
 
 
