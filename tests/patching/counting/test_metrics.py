@@ -171,7 +171,7 @@ def patched(paged_attn_module):
 
 
 def test_patched_calls_are_counted_by_route_path_and_refusal(patched):
-    from test_patched_calls import _prefix_values
+    from attention.test_patched_calls import _prefix_values
 
     fam = versions.family_for(versions.VersionInfo("0.6.3.post1"))
     call = _call(30)
