@@ -17,7 +17,8 @@
 
 Writes ``vllm_bi100_patch/ops/selftest/fitted.py`` (the constants the selftest prints beside its
 measurements) with ``--write``, and prints the tables of ``docs/performance.md``.
-Deterministic (no timing, no random numbers); about a minute on a 2-core CPU.
+Deterministic (no timing, no random numbers); 13 minutes or more on a 2-core CPU (the shim's
+2,048-query chunks at 235K tokens are most of it).
 
     python scripts/calibrate_model.py            # the tables
     python scripts/calibrate_model.py --write    # and the shipped constants
