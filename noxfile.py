@@ -62,6 +62,9 @@ def _shim_wheel(session: nox.Session) -> str:
     if wheels and os.path.exists(stamp) and _newest_source() <= os.path.getmtime(stamp):
         return wheels[0]
     shutil.rmtree(out, ignore_errors=True)
+    # setuptools copies the package through build/lib and never deletes there: a module moved
+    # or removed since an earlier build would ship again in the wheel.
+    shutil.rmtree(os.path.join(ROOT, "build"), ignore_errors=True)
     session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ROOT)
     open(stamp, "w").close()
     return glob.glob(os.path.join(out, "vllm_bi100_patch-*.whl"))[0]
