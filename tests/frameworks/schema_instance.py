@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 from typing import Any, Dict, List, Optional
+from urllib.parse import unquote
 
 FORMATS = {"date": "2024-05-06", "date-time": "2024-05-06T07:08:09Z", "time": "07:08:09",
            "email": "user@example.com", "uri": "https://example.com/a", "url":
@@ -94,11 +95,14 @@ def _resolve(root: dict, ref: str, path: str) -> dict:
     if not ref.startswith("#/"):
         raise Unsupported(f"{path or 'value'}: $ref {ref!r} points outside the schema")
     node: Any = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
+    for part in ref[2:].split("/"):  # RFC 6901 tokens in a URI fragment (RFC 3986 escapes)
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
             raise Unsupported(f"{path or 'value'}: $ref {ref!r} does not resolve")
-        node = node[part]
     return node
 
 

@@ -130,6 +130,22 @@ def test_an_instance_validates_under_its_schema(schema):
     jsonschema.validate(instance(schema), schema)
 
 
+def test_references_through_arrays_and_escapes_resolve():
+    """The shape of ``tool_choice: "required"`` since issue 39: each tool's own references
+    rewritten to its place in the calls' array (``#/items/anyOf/0/...``), names escaped."""
+    schema = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
+        "parameters": {"$defs": {"a b": {"type": "integer", "minimum": 3}},
+                       "type": "object", "properties": {
+                           "n": {"$ref": "#/items/anyOf/0/properties/parameters/$defs/a%20b"}},
+                       "required": ["n"]}}, "required": ["parameters"]}]},
+              "minItems": 1}
+    import jsonschema
+
+    value = instance(schema)
+    assert value[0]["parameters"]["n"] >= 3
+    jsonschema.validate(value, schema)
+
+
 def test_required_answers_a_call_of_the_first_tool():
     assert instance(REQUIRED) == [{"name": "get_weather",
                                    "parameters": {"city": "0.parameters.city"}}]
