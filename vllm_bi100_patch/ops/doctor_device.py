@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 from ..activation import config
 from ..patching import hardware
-from .selftest.contact import EXIT_WEDGED as EXIT_WEDGED
+from .selftest.contact import EXIT_WEDGED
 
 Check = Tuple[str, str, str]
 
