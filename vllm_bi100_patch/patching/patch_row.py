@@ -14,6 +14,8 @@ WRAP_METHOD = "wrap_method"
 WRAP_INSTANCE = "wrap_instance_method"
 GUARD_IMPORT = "guard_import"
 REPLACE_CLASS = "replace_class"
+#: A module-level function wrapped in its module (``module:function``) and wherever vLLM bound it.
+REPLACE_FUNCTION = "replace_function"
 
 
 class Patch:
@@ -37,7 +39,8 @@ class Patch:
 
     @property
     def owner(self) -> str:
-        """``Class`` of ``module:Class.attr`` or ``module:Class`` (methods, classes)."""
+        """``Class`` of ``module:Class.attr`` or ``module:Class`` (methods, classes); the
+        function of ``module:function``."""
         return self.target.split(":", 1)[1].rsplit(".", 1)[0]
 
     @property
@@ -64,3 +67,5 @@ ASYNC_ENGINE = "vllm.engine.async_llm_engine"
 LLM_ENTRY = "vllm.entrypoints.llm"
 SERVING_CHAT = "vllm.entrypoints.openai.serving_chat"
 HERMES = "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser"
+API_SERVER = "vllm.entrypoints.openai.api_server"
+CLI_ARGS = "vllm.entrypoints.openai.cli_args"

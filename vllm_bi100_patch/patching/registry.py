@@ -61,9 +61,10 @@ _lock = threading.RLock()
 _originals: Dict[Tuple[type, str], Any] = {}
 #: (class, attribute) -> the descriptor we installed (to recognise our own patch).
 _installed: Dict[Tuple[type, str], Any] = {}
-#: (module name, class name) -> (module, the original class, the class the shim put there):
-#: the rows that replace a class (``patch_row.REPLACE_CLASS``).
-_classes: Dict[Tuple[str, str], Tuple[types.ModuleType, type, type]] = {}
+#: (module name, name) -> (module, the original, what the shim put there): the rows that
+#: replace a class (``patch_row.REPLACE_CLASS``) or wrap a module's function
+#: (``patch_row.REPLACE_FUNCTION``).
+_classes: Dict[Tuple[str, str], Tuple[types.ModuleType, Any, Any]] = {}
 _last_report = Report()
 #: module name -> the report of its last apply (``_last_report`` is their merge).
 _module_reports: Dict[str, Report] = {}
@@ -101,7 +102,7 @@ def check_code(cls: type, spec: PatchSpec, family: versions.Family) -> Optional[
     """None when the code matches the family, else a sentence saying what differs. Where the
     shim already patched the method (or replaced the class), the original it saved is
     checked."""
-    if spec.replaces_class:
+    if spec.replaces_global:
         with _lock:
             for _, original, new in _classes.values():
                 if new is cls:
@@ -222,7 +223,7 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
     replaced: List[Tuple[str, str]] = []
     try:
         for spec in specs:
-            if spec.replaces_class:
+            if spec.replaces_global:
                 if _replace_class(module, family, spec, settings):
                     replaced.append((module.__name__, spec.owner))
                 report.applied.append(spec.name)
@@ -258,13 +259,20 @@ def _patch_all(module: types.ModuleType, family: versions.Family, specs: List[Pa
 
 def _replace_class(module: types.ModuleType, family: versions.Family, spec: PatchSpec,
                    settings: config.Settings) -> bool:
-    """Put the row's subclass of ``module``'s class in its place; False when the shim's own
-    class is there already (never replaced twice)."""
+    """Put the row's subclass of ``module``'s class (or its wrapper of ``module``'s function)
+    in its place; False when the shim's own is there already (never replaced twice)."""
     key = (module.__name__, spec.owner)
     current = vars(module)[spec.owner]
     if key in _classes and _classes[key][2] is current:
         return False
-    new = spec.factory()(family, current, module, settings)
+    if spec.replaces_function:
+        wrapper = metrics.count_refusals(spec.name, spec.factory()(family, current, module,
+                                                                   settings))
+        new = PatchWrapper(current, wrapper, f"{module.__name__}.{spec.owner} (vLLM "
+                                             f"{versions.installed_vllm_version().raw}, family "
+                                             f"{family.name})")
+    else:
+        new = spec.factory()(family, current, module, settings)
     setattr(module, spec.owner, new)
     _classes[key] = (module, current, new)  # type: ignore[assignment]
     rebind.rebind(module, spec.owner, current, new)  # wherever vLLM bound it already

@@ -15,9 +15,9 @@ read at interpreter start: stdlib only.
 
 from __future__ import annotations
 
-from .patch_row import (ASYNC_ENGINE, GUARD_IMPORT, HERMES, LLM_ENGINE, LLM_ENTRY, MQ_CLIENT,
-                         PROTOCOL, REPLACE_CLASS, SCHEDULER, SERVING, SERVING_CHAT, WRAP_INSTANCE,
-                         Patch)
+from .patch_row import (API_SERVER, ASYNC_ENGINE, GUARD_IMPORT, HERMES, LLM_ENGINE, LLM_ENTRY,
+                         MQ_CLIENT, PROTOCOL, REPLACE_CLASS, REPLACE_FUNCTION, SCHEDULER, SERVING,
+                         SERVING_CHAT, WRAP_INSTANCE, Patch)
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
 if TYPE_CHECKING:
@@ -204,6 +204,35 @@ ROWS: Tuple[Patch, ...] = (
         upstream="vLLM pull request #13483 (`required` through guided decoding, 0.8.3); "
                  "strict tools: accepted unchecked from 0.6.5 (#10463)",
         removal="with `chat_request_compat`"),
+    Patch(
+        "responses_api", REPLACE_FUNCTION, API_SERVER + ":build_app",
+        "vllm_bi100_patch.serving.responses_route:make_build_app_wrapper",
+        params="code:vllm_bi100_patch.serving.responses_route:check",
+        when="vllm_bi100_patch.serving.responses_route:responses_needed",
+        counters=("responses_api", "responses_refused"),
+        why="vLLM 0.6.3 answers OpenAI's Responses API (`POST /v1/responses`) with a 404: "
+            "Codex (`@openai/codex`) speaks only it, and openai-agents' default model, "
+            "pydantic-ai's `OpenAIResponsesModel`, LangChain's `use_responses_api` and the "
+            "Vercel AI SDK's `@ai-sdk/openai` provider send it",
+        how="every app `build_app` builds gets the route: the request is read as the chat "
+            "completion it asks for (`instructions` and `input` items as messages, function "
+            "tools, `tool_choice`, `max_output_tokens`, `text.format`; docs/serving-compat.md "
+            "lists each field served, mapped or refused by name), validated by the app's own "
+            "chat request class (the chat row's mappings, refusals and schema limits apply), "
+            "answered by `OpenAIServingChat.create_chat_completion` with every serving row on "
+            "it, and written back as a Responses object (`output` items: reasoning, message, "
+            "function_call; `status` `incomplete` when `max_output_tokens` cut it; usage) or "
+            "as its event stream (`response.created` ... `response.completed`); stateless: "
+            "`store` answered false, `previous_response_id`, `background`, hosted tools and "
+            "stored prompts refused by name (a 400); an app built before activation has no "
+            "route, one built before revert keeps it",
+        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's `api_server.py` being "
+             "0.6.3's; proven with the openai SDK, openai-agents, pydantic-ai, LangChain, the "
+             "Vercel AI SDK and Codex against 0.6.3's own app and the stand-in's); not applied "
+             "where the app serves the route itself",
+        upstream="vLLM pull request #20504 (`/v1/responses`, 0.10.0, stateless; `store` and "
+                 "`previous_response_id` later)",
+        removal="when the oldest vLLM the shim supports is 0.10.0"),
     Patch(
         "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
         "vllm_bi100_patch.serving.error_cause:make_error_wrapper",

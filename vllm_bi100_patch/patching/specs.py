@@ -58,6 +58,17 @@ class PatchSpec:
         return self.row.kind == patch_row.REPLACE_CLASS
 
     @property
+    def replaces_function(self) -> bool:
+        """The row wraps its module's function (``patch_row.REPLACE_FUNCTION``)."""
+        return self.row.kind == patch_row.REPLACE_FUNCTION
+
+    @property
+    def replaces_global(self) -> bool:
+        """The row puts a new object in its module's namespace (a class or a function) and
+        wherever vLLM bound the old one (``rebind``)."""
+        return self.replaces_class or self.replaces_function
+
+    @property
     def instance_method(self) -> bool:
         """A plain function of the class (bound to the instance), not a staticmethod."""
         return self.row.kind == patch_row.WRAP_INSTANCE
@@ -91,6 +102,10 @@ def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Opt
         if not isinstance(desc, type):
             return f"{spec.owner} is a {type(desc).__name__}, not a class"
         func = desc
+    elif spec.replaces_function:
+        if not isinstance(desc, types.FunctionType):
+            return f"{spec.owner} is a {type(desc).__name__}, not a function"
+        func = desc
     elif spec.instance_method:
         if not isinstance(desc, types.FunctionType):
             return f"{where} is a {type(desc).__name__}, not a plain method"
@@ -114,11 +129,12 @@ def check_descriptor(desc: Any, spec: PatchSpec, family: versions.Family) -> Opt
 
 
 def missing_classes(module: types.ModuleType, settings: config.Settings) -> List[str]:
-    """The owner classes of ``module``'s rows that the module does not define (rows whose
-    own check says this build does not need them are left out)."""
-    owners = dict.fromkeys(s.owner for s in specs_for(module.__name__)
-                           if not s.not_needed(module, settings))
-    return [name for name in owners if not isinstance(vars(module).get(name), type)]
+    """The owner classes (and functions) of ``module``'s rows that the module does not define
+    (rows whose own check says this build does not need them are left out)."""
+    owners = {s.owner: s.replaces_function for s in specs_for(module.__name__)
+              if not s.not_needed(module, settings)}
+    return [name for name, function in owners.items()
+            if not isinstance(vars(module).get(name), types.FunctionType if function else type)]
 
 
 def specs_for(module_name: str) -> List[PatchSpec]:

@@ -40,7 +40,7 @@ Row fields:
 from __future__ import annotations
 
 from .patch_row import (BACKEND_UTILS, GUARD_IMPORT, LOGITS, MODEL_RUNNER, PAGED_ATTN, REPLACE_CLASS,
-                        SEQUENCE, WRAP_INSTANCE, WRAP_METHOD, XFORMERS, Patch)
+                        REPLACE_FUNCTION, SEQUENCE, WRAP_INSTANCE, WRAP_METHOD, XFORMERS, Patch)
 from .rows_serving import ROWS as _SERVING_ROWS
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
@@ -277,9 +277,10 @@ def names() -> Tuple[str, ...]:
 
 
 def methods() -> Tuple[Patch, ...]:
-    """The rows patched when their module is imported: a method wrapped (static or plain), or
-    a class replaced."""
-    return tuple(p for p in PATCHES if p.kind in (WRAP_METHOD, WRAP_INSTANCE, REPLACE_CLASS))
+    """The rows patched when their module is imported: a method wrapped (static or plain), a
+    class replaced, or a function wrapped."""
+    return tuple(p for p in PATCHES
+                 if p.kind in (WRAP_METHOD, WRAP_INSTANCE, REPLACE_CLASS, REPLACE_FUNCTION))
 
 
 def guards() -> Tuple[Patch, ...]:
@@ -328,7 +329,7 @@ def catalogue() -> str:
             "|---|---|---|---|---|---|---|"]
     for p in PATCHES:
         kind = {GUARD_IMPORT: "import guard", WRAP_INSTANCE: "instance method",
-                REPLACE_CLASS: "class"}.get(p.kind, "method")
+                REPLACE_CLASS: "class", REPLACE_FUNCTION: "function"}.get(p.kind, "method")
         rows.append(f"| `{p.name}` ({kind}) | `{p.target}` | {p.why} | {p.how} | {p.vllm} | "
                     f"{p.upstream} | {p.removal} |")
     return "\n".join(rows)
