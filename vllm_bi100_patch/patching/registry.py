@@ -265,6 +265,7 @@ def _replace_class(module: types.ModuleType, family: versions.Family, spec: Patc
     current = vars(module)[spec.owner]
     if key in _classes and _classes[key][2] is current:
         return False
+    new: Any
     if spec.replaces_function:
         wrapper = metrics.count_refusals(spec.name, spec.factory()(family, current, module,
                                                                    settings))

@@ -224,7 +224,8 @@ class Events:
     def feed(self, chunk: Dict[str, Any]) -> Iterator[str]:
         """The events of one chat chunk (the JSON of one ``data:`` line)."""
         if "error" in chunk or chunk.get("object") == "error":
-            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+            error: Dict[str, Any] = (chunk["error"] if isinstance(chunk.get("error"), dict)
+                                     else chunk)
             yield from self.fail(str(error.get("message") or error),
                                  str(error.get("type") or "server_error"))
             return

@@ -75,9 +75,9 @@ def _read(body: bytes) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     try:
         data = json.loads(body)
     except RecursionError:
-        raise RequestRefused(f"{PATH}: the body is nested too deeply to read")
+        raise RequestRefused(f"{PATH}: the body is nested too deeply to read") from None
     except ValueError as exc:
-        raise RequestRefused(f"{PATH}: the body is not JSON ({exc})")
+        raise RequestRefused(f"{PATH}: the body is not JSON ({exc})") from None
     return responses_request.chat_body(data)
 
 
