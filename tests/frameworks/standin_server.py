@@ -63,6 +63,13 @@ MAX_MODEL_LEN = 16384
 #: Tokens per streamed delta (special tokens come alone).
 DELTA_TOKENS = 4
 TEXT = "Hello from the stand-in engine."
+#: ``BI100_STANDIN_REASONING=<parser>``: the stand-in is a reasoning model (it thinks before
+#: every unguided answer, in ``THINKING``, which mentions a tool call the answer must not
+#: carry) and the server is started with ``--enable-reasoning --reasoning-parser <parser>``
+#: where its command line has them (the shim's).
+REASONING = os.environ.get("BI100_STANDIN_REASONING") or None
+THINKING = ("<think>The user wants an answer. I could call <tool_call>{\"name\": \"not_a_call\", "
+            "\"arguments\": {}}</tool_call> but I will answer as asked.</think>\n\n")
 ROLE = re.compile(r"<\|(system|developer|user|assistant|tool)\|>")
 
 
@@ -123,7 +130,14 @@ def _tools(prompt: str):
 
 def answer(prompt: str, guided) -> dict:
     """What the stand-in answers: ``{"kind", "text"}`` (kind: json, json_object, tool_call,
-    text, tool_result)."""
+    text, tool_result); a reasoning stand-in thinks first (``THINKING``) when unguided."""
+    got = _answer(prompt, guided)
+    if REASONING and got["kind"] in ("tool_call", "tool_result", "text"):
+        got = dict(got, text=THINKING + got["text"], thinking=THINKING)
+    return got
+
+
+def _answer(prompt: str, guided) -> dict:
     if guided is not None and guided.json is not None:
         schema = json.loads(guided.json) if isinstance(guided.json, str) else guided.json
         return {"kind": "json", "text": json.dumps(instance(schema))}
@@ -244,7 +258,8 @@ class Engine:
             "guided": None if guided is None else {
                 k: getattr(guided, k) for k in ("json", "json_object", "choice", "regex")
                 if getattr(guided, k) is not None} or None,
-            "text": out_text, "completion_tokens": len(out_ids) * sampling_params.n,
+            "text": out_text, "thinking": got.get("thinking"),
+            "completion_tokens": len(out_ids) * sampling_params.n,
             "finish_reason": "length" if cut else "stop"})
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         n = sampling_params.n
@@ -279,10 +294,13 @@ def serve():
 
     path = tempfile.mkdtemp(prefix="bi100-frameworks-")
     build_model(path)
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+    parser = make_arg_parser(FlexibleArgumentParser())
+    flags = (["--enable-reasoning", "--reasoning-parser", REASONING]
+             if REASONING and "--reasoning-parser" in parser._option_string_actions else [])
+    args = parser.parse_args(
         ["--model", path, "--served-model-name", "tiny", "--max-num-seqs", str(MAX_NUM_SEQS),
          "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *flags])
     model_config = ModelConfig(path, path, "auto", False, "float32", 0,
                                max_model_len=MAX_MODEL_LEN)
     engine = Engine(get_tokenizer(path), model_config,

@@ -36,6 +36,9 @@ DENSE_HEAD_MAX = "VLLM_BI100_DENSE_HEAD_MAX"
 METRICS_INTERVAL = "VLLM_BI100_METRICS_INTERVAL_S"
 PROMPT_ATTENTION = "VLLM_BI100_PROMPT_ATTENTION"
 CONTACT_TIMEOUT = "VLLM_BI100_CONTACT_TIMEOUT_S"
+REASONING_PARSER = "VLLM_BI100_REASONING_PARSER"
+#: The reasoning parsers the shim serves (``serving/reasoning.py``; upstream's names).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 #: ``Settings.prompt_attention``: the shim computes prompts only where the vendor kernel fails,
 #: or every prompt (so that cached and uncached prompts give bit-identical attention rows).
@@ -120,6 +123,11 @@ VARIABLES: Tuple[Variable, ...] = (
              "process: `import torch`, `mem_get_info`, one small product) before they call the "
              "card wedged, stop the child and exit 5 (`docs/operating.md`, \"A wedged card\"); "
              "`selftest` then runs its own work in a child under `--hard-limit`."),
+    Variable(REASONING_PARSER, "unset (off)", "`deepseek_r1`, `qwen3`",
+             "The reasoning parser of every OpenAI server in the process, where `vllm serve`'s "
+             "flags cannot carry it (`--enable-reasoning --reasoning-parser NAME`, which the "
+             "shim adds to vLLM 0.6.3's command line, win): the thinking before `</think>` is "
+             "returned as `reasoning_content` (docs/serving-compat.md, \"Reasoning output\")."),
 )
 
 
@@ -129,7 +137,7 @@ class Settings:
     __slots__ = ("mode", "disabled", "strict", "log_level", "decode_fallback_above",
                  "prefix_budget_mb", "sm_count", "sm_occupancy", "subscription", "v1_max_seq_len",
                  "dense_head_max", "metrics_interval_s", "prompt_attention", "contact_timeout_s",
-                 "errors", "raw")
+                 "reasoning_parser", "errors", "raw")
 
     def __init__(self, mode: str = "auto", disabled: Tuple[str, ...] = (), strict: bool = False,
                  log_level: Optional[str] = None, decode_fallback_above: Optional[int] = None,
@@ -137,7 +145,8 @@ class Settings:
                  sm_occupancy: int = 1, subscription: int = 5,
                  v1_max_seq_len: Optional[int] = None, dense_head_max: int = 128,
                  metrics_interval_s: int = 5, prompt_attention: str = PROMPT_AUTO,
-                 contact_timeout_s: int = 15, errors: Tuple[str, ...] = (),
+                 contact_timeout_s: int = 15, reasoning_parser: Optional[str] = None,
+                 errors: Tuple[str, ...] = (),
                  raw: Optional[Mapping[str, str]] = None) -> None:
         self.mode = mode
         self.disabled = disabled
@@ -153,6 +162,7 @@ class Settings:
         self.metrics_interval_s = metrics_interval_s
         self.prompt_attention = prompt_attention
         self.contact_timeout_s = contact_timeout_s
+        self.reasoning_parser = reasoning_parser
         self.errors = errors
         #: Every VLLM_BI100_* variable that was set, exactly as given.
         self.raw: Dict[str, str] = dict(raw or {})
@@ -245,6 +255,15 @@ def _parse_prompt(raw: str) -> str:
     raise ValueError
 
 
+def _parse_reasoning(raw: str) -> Optional[str]:
+    value = raw.strip().lower()
+    if value == "":
+        return None
+    if value not in REASONING_PARSERS:
+        raise ValueError
+    return value
+
+
 _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     MODE: ("mode", _parse_mode),
     DISABLE: ("disabled", _parse_disabled),
@@ -260,6 +279,7 @@ _PARSERS: Mapping[str, Tuple[str, Callable[[str], object]]] = {
     METRICS_INTERVAL: ("metrics_interval_s", _int_parser(0)),
     PROMPT_ATTENTION: ("prompt_attention", _parse_prompt),
     CONTACT_TIMEOUT: ("contact_timeout_s", _int_parser(1)),
+    REASONING_PARSER: ("reasoning_parser", _parse_reasoning),
 }
 
 

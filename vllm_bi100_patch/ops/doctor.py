@@ -338,6 +338,10 @@ def _patch_sections(settings: config.Settings, family: versions.Family
 
     if doctor_serving.applies(versions.installed_vllm_version()):  # vLLM 0.5.x - 0.6.4
         sections.append(Section("guided decoding", doctor_serving.guided_checks(settings)))
+        report = registry.last_report()
+        sections.append(Section("today's clients (Responses API, reasoning output)",
+                                doctor_serving.client_checks(settings, report.applied,
+                                                             report.skipped)))
     sections.append(Section("vendor ops (vllm._custom_ops) and engine timeout",
                             audit.doctor_checks(registry.last_report().applied)))
     return (sections, [detail for state, _, detail in checks if state == "FAIL"], conditional,

@@ -1,6 +1,8 @@
-"""doctor's section on guided decoding (vLLM 0.5.x - 0.6.4): which backend works here, what the
-shim's ``guided_decoding_imports`` row does, and whether the installed ``pyairports`` is the
-delisted airport-data package (docs/serving-compat.md, "Guided decoding"; docs/operating.md).
+"""doctor's sections on the OpenAI front end of vLLM 0.5.x - 0.6.4: guided decoding (which
+backend works here, what the shim's ``guided_decoding_imports`` row does, whether the installed
+``pyairports`` is the delisted airport-data package; docs/serving-compat.md, "Guided decoding";
+docs/operating.md) and today's clients beyond chat completions (``client_checks``: the
+Responses API route, reasoning output).
 
 Imports vLLM's guided-decoding backends (and with them outlines or lm-format-enforcer), as a
 server's engine does for its first guided request.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..activation import config
 from ..serving import guided_imports
@@ -97,4 +99,44 @@ def guided_checks(settings: config.Settings) -> List[Check]:
     checks.append(("info", "ChatCompletionRequest", "a server replaces it wherever vLLM "
                    "bound it when the shim activates; status()['class_bindings'] lists where, "
                    "and the routes of an app built before activation it cannot reach"))
+    return checks
+
+
+#: The rows of today's clients' routes and outputs (docs/serving-compat.md).
+CLIENT_ROWS = ("responses_api", "reasoning_flags", "reasoning_parser", "reasoning_output",
+               "reasoning_stream")
+
+
+def client_checks(settings: config.Settings, applied: List[str],
+                  skipped: Dict[str, str]) -> List[Check]:
+    """doctor's lines on what today's clients ask of a 0.6.x server beyond chat completions:
+    the Responses API route and reasoning output, from the code checks' report (``applied``,
+    ``skipped``: row -> why)."""
+    def state(row: str) -> str:
+        if row in applied:
+            return "applied"
+        return skipped.get(row, "not applied (its vLLM module was not imported)")
+
+    checks: List[Check] = []
+    if "responses_api" in applied:
+        checks.append(("ok", "/v1/responses", "served by row responses_api on every app "
+                       "build_app builds: stateless (store answered false; "
+                       "previous_response_id, background, hosted tools refused by name); "
+                       "docs/serving-compat.md, \"The Responses API\""))
+    else:
+        checks.append(("info", "/v1/responses", state("responses_api")))
+    rows = [r for r in CLIENT_ROWS[1:] if r not in applied]
+    parser = settings.reasoning_parser
+    if rows:
+        checks.append(("info", "reasoning output", "not served: " + "; ".join(
+            f"{r}: {state(r)}" for r in rows)))
+    elif parser:
+        checks.append(("ok", "reasoning output", f"{config.REASONING_PARSER}={parser}: "
+                       "every OpenAI app in a server process returns the thinking as "
+                       "reasoning_content (a --reasoning-parser flag wins)"))
+    else:
+        checks.append(("info", "reasoning output", "off, as upstream: `vllm serve ... "
+                       "--enable-reasoning --reasoning-parser " + "|".join(
+                           config.REASONING_PARSERS) + f"` (or {config.REASONING_PARSER}) "
+                       "returns a reasoning model's thinking as reasoning_content"))
     return checks

@@ -15,8 +15,8 @@ read at interpreter start: stdlib only.
 
 from __future__ import annotations
 
-from .patch_row import (API_SERVER, ASYNC_ENGINE, GUARD_IMPORT, HERMES, LLM_ENGINE, LLM_ENTRY,
-                         MQ_CLIENT, PROTOCOL, REPLACE_CLASS, REPLACE_FUNCTION, SCHEDULER, SERVING,
+from .patch_row import (API_SERVER, ASYNC_ENGINE, CLI_ARGS, GUARD_IMPORT, HERMES, LLM_ENGINE,
+                         LLM_ENTRY, MQ_CLIENT, PROTOCOL, REPLACE_CLASS, REPLACE_FUNCTION, SCHEDULER, SERVING,
                          SERVING_CHAT, WRAP_INSTANCE, Patch)
 
 TYPE_CHECKING = False  # read at interpreter start: keep it bare
@@ -234,6 +234,61 @@ ROWS: Tuple[Patch, ...] = (
                  "`previous_response_id` later)",
         removal="when the oldest vLLM the shim supports is 0.10.0"),
     Patch(
+        "reasoning_flags", REPLACE_FUNCTION, CLI_ARGS + ":make_arg_parser",
+        "vllm_bi100_patch.serving.reasoning_config:make_flags_wrapper",
+        params="code:vllm_bi100_patch.serving.reasoning_config:check_flags",
+        when="vllm_bi100_patch.serving.reasoning_config:on_063", counters=(),
+        why="upstream's `vllm serve --enable-reasoning --reasoning-parser deepseek_r1` (0.7; "
+            "`qwen3` from 0.8.5) is refused by vLLM 0.6.3's command line (`unrecognized "
+            "arguments`): the thinking of Qwen3 and DeepSeek-R1 models stays in `content`",
+        how="the parser `make_arg_parser` returns gets the two flags where it has none "
+            "(`--reasoning-parser` with the choices `deepseek_r1`, `qwen3`); nothing else "
+            "on the command line changes; a process whose parser was built before activation "
+            "(vLLM's plugin entry point) uses `VLLM_BI100_REASONING_PARSER` instead",
+        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's `cli_args.py` being "
+             "0.6.3's); not applied on other releases",
+        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        removal="when the oldest vLLM the shim supports is 0.8.5"),
+    Patch(
+        "reasoning_parser", REPLACE_FUNCTION, API_SERVER + ":init_app_state",
+        "vllm_bi100_patch.serving.reasoning_config:make_state_wrapper",
+        params="code:vllm_bi100_patch.serving.reasoning_config:check_state",
+        when="vllm_bi100_patch.serving.reasoning_config:on_063", counters=(),
+        why="the flags of `reasoning_flags` (or `VLLM_BI100_REASONING_PARSER`) must reach the "
+            "app they configure",
+        how="before the original builds the serving classes, the parser asked for is checked "
+            "(`--enable-reasoning` without a parser, or a parser not served, stops the "
+            "server at start with an error naming the served ones); after, the app's "
+            "`OpenAIServingChat` is remembered with its parser (one INFO line); rows "
+            "`reasoning_output` and `reasoning_stream` split the answers of that app only",
+        vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's `api_server.py` being "
+             "0.6.3's); not applied on other releases",
+        upstream="vLLM pull request #12473 (0.7.1)",
+        removal="with `reasoning_flags`"),
+    Patch(
+        "reasoning_output", WRAP_INSTANCE,
+        SERVING_CHAT + ":OpenAIServingChat.chat_completion_full_generator",
+        "vllm_bi100_patch.serving.reasoning:make_full_wrapper",
+        params="code:vllm_bi100_patch.serving.reasoning:check_full",
+        when="vllm_bi100_patch.serving.reasoning_config:on_063",
+        counters=("reasoning_output",),
+        why="on vLLM 0.6.3 a reasoning model's `<think>...</think>` arrives inside `content` "
+            "(a small `max_tokens` returns only thinking; a client that parses the content "
+            "reads the thinking as the answer) and the tool parser reads calls inside it",
+        how="for an app with a reasoning parser (`reasoning_parser`), the engine's output is "
+            "split before 0.6.3 reads it (`serving/reasoning.py`): the answer after "
+            "`</think>` is what the tool parser and `content` get, the thinking goes to "
+            "`message.reasoning_content` (`deepseek_r1`: everything before `</think>`; "
+            "`qwen3`: only a closed leading `<think>` block), token counts unchanged; a "
+            "guided request (structured output, a named or `required` tool, `guided_*`) is "
+            "not split: 0.6.3's guide applies from the first token, so the model writes no "
+            "thinking; apps without a parser pass through untouched",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
+             "`serving_chat.py`; driven through 0.6.3's app on both); not applied on other "
+             "releases",
+        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        removal="with `reasoning_flags`"),
+    Patch(
         "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
         "vllm_bi100_patch.serving.error_cause:make_error_wrapper",
         params="code:vllm_bi100_patch.serving.error_cause:check_error",
@@ -416,6 +471,27 @@ ROWS: Tuple[Patch, ...] = (
                  "chunk)",
         removal="when the oldest vLLM the shim supports streams a named call with its id "
                 "once and index 0"),
+    Patch(
+        "reasoning_stream", WRAP_INSTANCE,
+        SERVING_CHAT + ":OpenAIServingChat.chat_completion_stream_generator",
+        "vllm_bi100_patch.serving.tool_stream:make_stream_wrapper",
+        params="code:vllm_bi100_patch.serving.tool_stream:check_stream",
+        when="vllm_bi100_patch.serving.reasoning_config:on_063",
+        counters=("reasoning_stream",),
+        why="`reasoning_output`'s concern for streams: the thinking arrives in "
+            "`delta.content` and the streaming tool parser reads it",
+        how="for an app with a reasoning parser, each engine output is split as it comes (a "
+            "tag cut between deltas held back until whole): the answer is what 0.6.3 streams "
+            "and parses, the thinking goes out as `delta.reasoning_content` in the choice's "
+            "next chunk (a `content: \"\"` it replaces; never in the role chunk), what is "
+            "left before the usage chunk and `[DONE]`; guided requests not split. Runs in "
+            "the wrapper `stream_finish_reason` installs (one wrapper, whichever of the "
+            "three rows is enabled)",
+        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
+             "`serving_chat.py`; driven through 0.6.3's app on both); not applied on other "
+             "releases",
+        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        removal="with `reasoning_flags`"),
     Patch(
         "hermes_tool_args", WRAP_INSTANCE,
         SERVING_CHAT + ":OpenAIServingChat._should_check_for_unstreamed_tool_arg_tokens",

@@ -45,7 +45,7 @@ from ..activation import config
 from ..activation.log import log
 from ..patching.versions import Family
 from ..patching import code_shapes
-from . import hermes_args, named_stream
+from . import hermes_args, named_stream, reasoning
 from ..patching.factories import ArgReader, Wrapper, counter
 
 STARTS = counter("hermes_tool_start")
@@ -171,6 +171,7 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
     usage_type = module.UsageInfo
     finish_on = "stream_finish_reason" not in settings.disabled
     named_on = "named_tool_stream" not in settings.disabled
+    reasoning_on = "reasoning_stream" not in settings.disabled
 
     def finish_chunks(watch: _Watch, request: Any) -> str:
         out = []
@@ -237,10 +238,14 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
         request, results = values[0], values[1]
         name = named_stream.forced_name(request) if named_on else None
         rewrite = named_stream.Rewrite(name) if name is not None else None
+        taken = reasoning.stream_taken(instance, request) if reasoning_on else None
+        if taken is not None:
+            values[1] = results = taken.outputs(results)
+        thinking = reasoning.Chunks(taken) if taken is not None else None
         if not finish_on:
-            if rewrite is None:
-                return wrapped(*args, **kwargs)
-            return _named(rewrite, wrapped(*values))
+            if rewrite is None and thinking is None:
+                return wrapped(*args, **kwargs) if taken is None else wrapped(*values)
+            return _rewritten(rewrite, thinking, wrapped(*values))
         watch = _Watch()
         values[1] = watch.outputs(results)
 
@@ -250,6 +255,10 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
                     data = rewrite.line(data)
                 usage = data.startswith('data: {"id"') and '"choices":[]' in data
                 if usage or data.startswith("data: [DONE]"):
+                    if thinking is not None:
+                        rest = thinking.rest()
+                        if rest:
+                            yield rest
                     extra = finish_chunks(watch, request)
                     if extra:
                         yield extra
@@ -257,6 +266,8 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
                         data = summed_usage(watch, data)
                 elif '"finish_reason":"tool_calls"' in data:
                     data = cut_calls(watch, data)
+                if thinking is not None:
+                    data = thinking.line(data)
                 watch.read(data)
                 yield data
 
@@ -265,7 +276,17 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
     return chat_completion_stream_generator
 
 
-async def _named(rewrite: "named_stream.Rewrite", pieces: AsyncIterator[str]
-                 ) -> AsyncIterator[str]:
+async def _rewritten(rewrite: Optional["named_stream.Rewrite"],
+                     thinking: Optional["reasoning.Chunks"], pieces: AsyncIterator[str]
+                     ) -> AsyncIterator[str]:
     async for data in pieces:
-        yield rewrite.line(data)
+        if rewrite is not None:
+            data = rewrite.line(data)
+        if thinking is not None:
+            if data.startswith("data: [DONE]") or (data.startswith('data: {"id"')
+                                                    and '"choices":[]' in data):
+                rest = thinking.rest()
+                if rest:
+                    yield rest
+            data = thinking.line(data)
+        yield data
