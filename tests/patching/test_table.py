@@ -31,6 +31,8 @@ def test_every_row_is_well_formed():
                                       "vllm.entrypoints.openai.serving_engine",
                                       "vllm.entrypoints.openai.protocol",
                                       "vllm.entrypoints.openai.serving_chat",
+                                      "vllm.entrypoints.openai.api_server",
+                                      "vllm.entrypoints.openai.cli_args",
                                       "vllm.engine.async_llm_engine", "vllm.entrypoints.llm",
                                       "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser")
     assert [p.name for p in table.guards()] == ["import_guard", "guided_decoding_imports"]

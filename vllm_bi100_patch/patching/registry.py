@@ -195,7 +195,7 @@ def _target_verdict(module: types.ModuleType, settings: config.Settings,
         base = decision.decide(settings, info, force=True)
     missing = missing_classes(module, settings)
     return base.refine(target_missing=(
-        f"{module.__name__} has no class {', '.join(missing)}" if missing else None))
+        f"{module.__name__} has no {', '.join(missing)}" if missing else None))
 
 
 def _checked(module: types.ModuleType, family: versions.Family, settings: config.Settings,
