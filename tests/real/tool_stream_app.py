@@ -21,7 +21,9 @@ answers a key; a user message ``split:<key>`` is then answered with exactly thos
 piece tokenized on its own: the special ``<tool_call>``/``</tool_call>`` tokens stay single
 tokens; an empty piece is the end-of-sequence token alone), the last with that finish reason.
 ``GET /standin/errors`` lists every ERROR record the server logged (test_hermes_stream.py
-splits model outputs every way and reads the streams back).
+splits model outputs every way and reads the streams back; test_responses.py serves the
+Responses API and reasoning output from the same scripts).  ``BI100_APP_FLAGS``: more
+``vllm serve`` flags for this app (a reasoning parser's).
 
 ``python tool_stream_app.py late``: the shim is taken off at start (``revert()``) and applied
 (``vllm_bi100_patch.apply()``) only after vLLM's ``api_server`` was imported and a first app
@@ -330,8 +332,9 @@ def serve():
         SPLITS[key] = {"pieces": [str(p) for p in body["pieces"]], "finish": body["finish"]}
         return {"key": key}
 
+    flags = os.environ.get("BI100_APP_FLAGS", "").split()  # e.g. a reasoning parser's
     out, thread = build(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--max-num-seqs", "4"],
+                         "--max-num-seqs", "4", *flags],
                         routes=[("/standin/errors", ["GET"], standin_errors),
                                 ("/standin/shim_log", ["GET"], standin_shim_log),
                                 ("/standin/split", ["POST"], standin_split)])
