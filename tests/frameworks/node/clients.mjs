@@ -60,7 +60,7 @@ async function streamed(r) {
   const out = { text: await r.text, streamedText: text, toolCalls: await r.toolCalls,
                 toolResults: await r.toolResults, totalUsage: await r.totalUsage,
                 steps: await r.steps, finishReason: await r.finishReason };
-  return summary(out);
+  return { ...summary(out), streamedText: text };
 }
 
 const CASES = {
