@@ -99,7 +99,9 @@ try {
   process.stdout.write(JSON.stringify({ case: name, ...got }) + "\n");
 } catch (err) {
   const cause = err?.responseBody ?? err?.cause?.message ?? "";
+  // a stream's own error (onError) first: the one thrown after it only says that none came
+  const said = [...errors, `${err?.name}: ${err?.message} ${cause}`].join("; ");
   process.stdout.write(JSON.stringify({
-    case: name, error: `${err?.name}: ${err?.message} ${cause}`.slice(0, 1500),
+    case: name, error: said.slice(0, 1500),
     status: err?.statusCode ?? null }) + "\n");
 }
