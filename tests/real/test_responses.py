@@ -143,7 +143,7 @@ def test_stock_063_has_no_responses_route_and_the_shim_serves_it(servers):
                            metadata={"run": "1"}, store=True)
     assert status == 200, body
     assert body["object"] == "response" and body["status"] == "completed", body
-    assert body["store"] is False and body["metadata"] == {"run": "1"}
+    assert body["store"] is True and body["metadata"] == {"run": "1"}
     assert [i["type"] for i in body["output"]] == ["message"]
     assert body["output"][0]["content"][0]["text"] == "Hello there"
     usage = body["usage"]
@@ -233,7 +233,7 @@ def test_structured_output_and_a_named_tool_go_through_guided_decoding(servers):
 @pytest.mark.parametrize("fields, named", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "web_search"),
+    ({"tool_choice": {"type": "web_search"}, "tools": [{"type": "web_search"}]}, "web_search"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"reasoning": {"effort": "high"}}, "effort"),
     ({"max_output_tokens": "many"}, "max_tokens"),

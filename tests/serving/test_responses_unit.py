@@ -109,9 +109,13 @@ def test_a_stream_asks_for_usage_and_harmless_fields_are_accepted():
     ({"conversation": "conv_1"}, "`conversation` is not served"),
     ({"background": True}, "`background` is not served"),
     ({"prompt": {"id": "p"}}, "`prompt` is not served"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0] of type 'web_search' is not served"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice of type 'web_search' is not served"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0] of type 'custom'"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0] (an item_reference)"),
+    ({"tools": [TOOL, {"type": "namespace", "name": "ns", "tools": [TOOL]}]},
+     "tools named 'get_weather' more than once"),
+    ({"input": [{"type": "item_reference", "id": "msg_unknown"}]},
+     "input[0] (an item_reference to 'msg_unknown') is not served: this server does not hold"),
     ({"input": [{"type": "local_shell_call", "id": "x"}]}, "input[0] of type 'local_shell_call'"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0] of type 'input_file'"),
@@ -127,6 +131,57 @@ def test_a_stream_asks_for_usage_and_harmless_fields_are_accepted():
 ])
 def test_what_cannot_be_served_is_refused_by_name(fields, named):
     assert named in refused(**fields)
+
+
+def test_hosted_tools_are_left_out_and_namespaced_ones_flattened():
+    """Codex offers ``web_search`` and a ``namespace`` of function tools at its defaults."""
+    space = {"type": "namespace", "name": "multi_agent_v1", "description": "d", "tools": [
+        {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}
+    got, echo = rr.chat_body({"model": "m", "input": "hi", "tools": [
+        TOOL, {"type": "web_search", "external_web_access": False}, space]})
+    assert [t["function"]["name"] for t in got["tools"]] == ["get_weather", "spawn_agent"]
+    assert echo["namespaces"] == {"spawn_agent": "multi_agent_v1"}
+    assert echo["hosted_tools_dropped"] == ["web_search"]
+    only, echo = rr.chat_body({"model": "m", "input": "hi", "tool_choice": "auto",
+                               "tools": [{"type": "web_search"}]})
+    assert "tools" not in only and "tool_choice" not in only
+    chat = {"model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "content": None, "tool_calls": [{"id": "call_1", "function": {
+            "name": "spawn_agent", "arguments": "{}"}}]}}]}
+    item = answer.response(chat, "resp_1", {"namespaces": echo["namespaces"] or {
+        "spawn_agent": "multi_agent_v1"}})["output"][0]
+    assert item["namespace"] == "multi_agent_v1" and item["name"] == "spawn_agent"
+
+
+def test_an_item_reference_is_the_item_this_server_answered():
+    from vllm_bi100_patch.serving import responses_store
+
+    responses_store.clear()
+    kept = answer.message_item("the earlier answer")
+    responses_store.keep([kept, answer.call_item("call_1", "f", "{}")])
+    got = body(input=[{"role": "user", "content": "q"}, {"type": "item_reference",
+                                                         "id": kept["id"]},
+                      {"role": "user", "content": "again"}])
+    assert got["messages"][1] == {"role": "assistant", "content": "the earlier answer"}
+    assert responses_store.size()[0] == 2
+    responses_store.keep([answer.message_item("late")], now=10**9)  # an hour later: expired
+    assert responses_store.find(kept["id"]) is None and responses_store.size()[0] == 1
+    responses_store.clear()
+
+
+def test_the_item_store_is_bounded(monkeypatch):
+    from vllm_bi100_patch.serving import responses_store
+
+    responses_store.clear()
+    monkeypatch.setattr(responses_store, "MAX_ITEMS", 3)
+    items = [answer.message_item(str(i)) for i in range(5)]
+    responses_store.keep(items)
+    assert responses_store.size()[0] == 3 and responses_store.find(items[0]["id"]) is None
+    assert responses_store.find(items[4]["id"])["content"][0]["text"] == "4"
+    monkeypatch.setattr(responses_store, "MAX_BYTES", 1000)
+    responses_store.keep([answer.message_item("x" * 600) for _ in range(2)])
+    assert responses_store.size()[1] <= 1000
+    responses_store.clear()
 
 
 def test_without_input_is_refused():

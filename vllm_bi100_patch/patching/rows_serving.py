@@ -209,7 +209,7 @@ ROWS: Tuple[Patch, ...] = (
         "vllm_bi100_patch.serving.responses_route:make_build_app_wrapper",
         params="code:vllm_bi100_patch.serving.responses_route:check",
         when="vllm_bi100_patch.serving.responses_route:responses_needed",
-        counters=("responses_api", "responses_refused"),
+        counters=("responses_api", "responses_refused", "responses_hosted_tools"),
         why="vLLM 0.6.3 answers OpenAI's Responses API (`POST /v1/responses`) with a 404: "
             "Codex (`@openai/codex`) speaks only it, and openai-agents' default model, "
             "pydantic-ai's `OpenAIResponsesModel`, LangChain's `use_responses_api` and the "
@@ -222,10 +222,13 @@ ROWS: Tuple[Patch, ...] = (
             "answered by `OpenAIServingChat.create_chat_completion` with every serving row on "
             "it, and written back as a Responses object (`output` items: reasoning, message, "
             "function_call; `status` `incomplete` when `max_output_tokens` cut it; usage) or "
-            "as its event stream (`response.created` ... `response.completed`); stateless: "
-            "`store` answered false, `previous_response_id`, `background`, hosted tools and "
-            "stored prompts refused by name (a 400); an app built before activation has no "
-            "route, one built before revert keeps it",
+            "as its event stream (`response.created` ... `response.completed`); output items "
+            "kept in a bounded in-memory store for `item_reference` (the Vercel AI SDK's "
+            "multi-turn default; not with `store: false`); `previous_response_id`, "
+            "`background`, custom tools and stored prompts refused by name (a 400); hosted "
+            "tools offered (Codex offers `web_search`) left out of what the model sees, with "
+            "one WARNING; an app built before activation has no route, one built before "
+            "revert keeps it",
         vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's `api_server.py` being "
              "0.6.3's; proven with the openai SDK, openai-agents, pydantic-ai, LangChain, the "
              "Vercel AI SDK and Codex against 0.6.3's own app and the stand-in's); not applied "

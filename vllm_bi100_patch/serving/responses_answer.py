@@ -56,7 +56,8 @@ def shell(response_id: str, model: str, echo: Dict[str, Any], created: int) -> D
         "parallel_tool_calls": echo.get("parallel_tool_calls") is not False,
         "previous_response_id": None,
         "reasoning": {"effort": (echo.get("reasoning") or {}).get("effort"), "summary": None},
-        "service_tier": echo.get("service_tier") or "auto", "store": False,
+        "service_tier": echo.get("service_tier") or "auto",
+        "store": bool(echo.get("store")),  # its items kept for item_reference (not the response)
         "temperature": echo.get("temperature"),
         "text": {"format": text.get("format") or {"type": "text"}, "verbosity": "medium"},
         "tool_choice": echo.get("tool_choice") or "auto", "tools": echo.get("tools") or [],
@@ -91,9 +92,12 @@ def message_item(text: str, item_id: Optional[str] = None,
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: Optional[str] = None,
-              status: str = "completed") -> Dict[str, Any]:
-    return {"id": item_id or new_id("fc"), "type": "function_call", "call_id": call_id,
+              status: str = "completed", namespace: Optional[str] = None) -> Dict[str, Any]:
+    item = {"id": item_id or new_id("fc"), "type": "function_call", "call_id": call_id,
             "name": name, "arguments": arguments, "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace  # a tool of a namespace (Codex's multi_agent_v1)
+    return item
 
 
 def response(chat: Dict[str, Any], response_id: str, echo: Dict[str, Any]) -> Dict[str, Any]:
@@ -109,8 +113,9 @@ def response(chat: Dict[str, Any], response_id: str, echo: Dict[str, Any]) -> Di
         items.append(message_item(message["content"]))
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        items.append(call_item(call.get("id") or new_id("call"), fn.get("name") or "",
-                               fn.get("arguments") or ""))
+        name = fn.get("name") or ""
+        items.append(call_item(call.get("id") or new_id("call"), name, fn.get("arguments") or "",
+                               namespace=(echo.get("namespaces") or {}).get(name)))
     obj["output"] = items
     return _finish(obj, choice.get("finish_reason"), chat.get("usage"))
 
@@ -120,6 +125,7 @@ class Events:
 
     def __init__(self, response_id: str, model: str, echo: Dict[str, Any]) -> None:
         self.obj = shell(response_id, model, echo, int(time.time()))
+        self.namespaces: Dict[str, str] = echo.get("namespaces") or {}
         self.seq = 0
         self.items: List[Dict[str, Any]] = []
         self.open: Optional[Dict[str, Any]] = None  # the item being streamed
@@ -204,8 +210,9 @@ class Events:
         fn = call.get("function") or {}
         item = self.calls.get(index)
         if item is None:
-            item = call_item(call.get("id") or new_id("call"), fn.get("name") or "", "",
-                             status="in_progress")
+            name = fn.get("name") or ""
+            item = call_item(call.get("id") or new_id("call"), name, "", status="in_progress",
+                             namespace=self.namespaces.get(name))
             self.calls[index] = item
             yield from self._open(item)
         elif fn.get("name") and not item["name"]:

@@ -2,6 +2,11 @@
 serves: ``chat_body`` maps each field the first upstream release served (vLLM 0.10.0,
 stateless) onto the chat request's, or refuses it by name (``RequestRefused``, a 400).
 
+Function tools become chat tools, the function tools of a ``namespace`` too (their calls
+answered with the namespace); hosted tools (``HOSTED``: OpenAI runs them) are left out of what
+the model sees.  An ``item_reference`` is read as the item it names, from the items this
+server answered (``responses_store``).
+
 Every field of OpenAI's request is in exactly one of ``MAPPED``, ``ECHOED``, ``IGNORED`` or
 ``REFUSED``; a field in none of them is refused by name, as 0.6.3's chat request refuses an
 unknown field.  The input's items become chat messages in order: ``message`` (roles user,
@@ -9,8 +14,8 @@ system, developer, assistant; text parts, images), ``function_call`` (an assista
 ``tool_calls``, consecutive calls in one message), ``function_call_output`` (a ``tool``
 message), ``reasoning`` (left out of the prompt: 0.6.3's chat row drops an echoed
 ``reasoning_content`` the same way, and the models' templates do not show past thinking).
-Any other item, hosted tool or stored state is refused by name.  The result is the body the
-chat row (``chat_compat``) validates next: what it maps or refuses there (``strict``,
+Any other item type, a custom tool, and stored state other than items are refused by name.
+The result is the body the chat row (``chat_compat``) validates next: what it maps or refuses there (``strict``,
 ``tool_choice`` forms, ``json_schema``, the client-schema limits) happens as for a chat
 request.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import responses_store
 from .refusal import RequestRefused, shown
 
 ENDPOINT = "/v1/responses"
@@ -34,7 +40,8 @@ MAPPED = frozenset({"model", "input", "instructions", "tools", "tool_choice",
 #: Fields copied into the response object and otherwise without effect on the answer.
 ECHOED = frozenset({"metadata", "service_tier", "truncation"})
 #: Fields that change nothing the server answers (caching and abuse-tracking hints).
-IGNORED = frozenset({"prompt_cache_key", "safety_identifier", "prompt_cache_retention"})
+IGNORED = frozenset({"prompt_cache_key", "safety_identifier", "prompt_cache_retention",
+                     "client_metadata"})
 #: Fields the server cannot serve, each with why (a 400 naming it).
 REFUSED: Dict[str, str] = {
     "previous_response_id": "this server keeps no responses (send the whole conversation as "
@@ -55,6 +62,12 @@ INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content", "web_search_call.act
                              "web_search_call.results", "code_interpreter_call.outputs",
                              "computer_call_output.output.image_url",
                              "file_search_call.results", "message.input_image.image_url"})
+#: Tools OpenAI runs on its own servers: offered ones are left out of what the model sees (it
+#: could never call them here; Codex offers ``web_search`` at its defaults, and a 400 stops
+#: it), named in one WARNING; a ``tool_choice`` forcing one is refused by name.
+HOSTED = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                    "web_search_2025_08_26", "file_search", "code_interpreter",
+                    "computer_use_preview", "computer_use", "image_generation", "mcp"})
 #: Roles of a message item and the chat role each becomes.
 ROLES = {"user": "user", "system": "system", "developer": "developer",
          "assistant": "assistant"}
@@ -145,6 +158,13 @@ def messages(data: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
         if not isinstance(item, dict):
             raise RequestRefused(f"{ENDPOINT}: {at} must be an object")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "item_reference":
+            found = responses_store.find(item.get("id"))
+            if found is None:
+                raise refuse(f"{at} (an item_reference to {shown(item.get('id'))})",
+                             "this server does not hold that item (" + responses_store.LIMITS
+                             + "); send the item itself")
+            item, kind = found, found["type"]  # read as if sent inline
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
@@ -169,8 +189,6 @@ def messages(data: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
                         "content": _output_text(item.get("output"), at + ".output")})
         elif kind == "reasoning":
             reasoning += 1
-        elif kind == "item_reference":
-            raise refuse(f"{at} (an item_reference)", REFUSED["previous_response_id"])
         else:
             raise refuse(f"{at} of type {shown(kind)}",
                          "input items are messages, function_call, function_call_output and "
@@ -178,25 +196,54 @@ def messages(data: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
     return out, reasoning
 
 
-def _tools(tools: Any) -> List[Dict[str, Any]]:
+def _function(tool: Dict[str, Any], at: str) -> Dict[str, Any]:
+    fn: Dict[str, Any] = {"name": _text(tool.get("name"), at + ".name")}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            fn[key] = tool[key]
+    return {"type": "function", "function": fn}
+
+
+def tools_of(tools: Any) -> Tuple[List[Dict[str, Any]], Dict[str, str], List[str]]:
+    """The chat tools of a Responses ``tools`` list: function tools, and the function tools of
+    each ``namespace`` (their calls come back with that ``namespace``); with the namespace of
+    each such name, and the hosted tool types left out (``HOSTED``)."""
     if not isinstance(tools, list):
         raise RequestRefused(f"{ENDPOINT}: `tools` must be a list")
-    out = []
+    out: List[Dict[str, Any]] = []
+    namespaces: Dict[str, str] = {}
+    hosted: List[str] = []
     for i, tool in enumerate(tools):
         at = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise RequestRefused(f"{ENDPOINT}: {at} must be an object")
-        if tool.get("type") != "function":
-            raise refuse(f"{at} of type {shown(tool.get('type'))}",
-                         "this server serves function tools only (hosted tools such as "
-                         "web_search, file_search, code_interpreter, computer use, MCP, "
-                         "local_shell and custom tools run elsewhere)")
-        fn: Dict[str, Any] = {"name": _text(tool.get("name"), at + ".name")}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
-        out.append({"type": "function", "function": fn})
-    return out
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(tool, at))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            space = _text(tool.get("name"), at + ".name")
+            for j, inner in enumerate(tool["tools"]):
+                where = f"{at}.tools[{j}]"
+                if not isinstance(inner, dict) or inner.get("type", "function") != "function":
+                    what = inner.get("type") if isinstance(inner, dict) else inner
+                    raise refuse(f"{where} of type {shown(what)}",
+                                 "a namespace's tools must be function tools")
+                out.append(_function(inner, where))
+                namespaces[out[-1]["function"]["name"]] = space
+        elif kind in HOSTED:
+            if kind not in hosted:
+                hosted.append(kind)
+        else:
+            raise refuse(f"{at} of type {shown(kind)}",
+                         "this server serves function tools (and namespaces of them); "
+                         "custom (freeform) and local_shell tools need a model format it "
+                         "does not have")
+    names = [t["function"]["name"] for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise refuse(f"tools named {', '.join(map(shown, twice))} more than once",
+                     "every function tool, within a namespace or not, needs a name of its own")
+    return out, namespaces, hosted
 
 
 def _format(text: Any) -> Optional[Dict[str, Any]]:
@@ -267,9 +314,17 @@ def chat_body(data: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
                      ("tool_choice", "tool_choice")):
         if data.get(src) is not None:
             body[dst] = data[src]
+    namespaces: Dict[str, str] = {}
+    hosted: List[str] = []
     if data.get("tools"):
-        body["tools"] = _tools(data["tools"])
-    elif "tool_choice" in body and body["tool_choice"] in ("auto", "none"):
+        chat_tools, namespaces, hosted = tools_of(data["tools"])
+        if chat_tools:
+            body["tools"] = chat_tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") not in ("function", "allowed_tools"):
+        raise refuse(f"tool_choice of type {shown(choice.get('type'))}",
+                     "this server runs no hosted tools; it can force a function tool")
+    if "tools" not in body and choice in ("auto", "none"):
         del body["tool_choice"]  # no tools: nothing to choose (0.6.3 refuses auto without tools)
     if data.get("text") is not None:
         fmt = _format(data["text"])
@@ -285,7 +340,11 @@ def chat_body(data: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
                                       "max_output_tokens", "user", "text", "service_tier",
                                       "reasoning")}
     echo["reasoning_items_dropped"] = reasoning_items
+    echo["namespaces"] = namespaces
+    echo["hosted_tools_dropped"] = hosted
+    echo["store"] = data.get("store") is not False
     return body, echo
 
 
-__all__ = ["ECHOED", "IGNORED", "MAPPED", "REFUSED", "chat_body", "messages"]
+__all__ = ["ECHOED", "HOSTED", "IGNORED", "MAPPED", "REFUSED", "chat_body", "messages",
+           "tools_of"]

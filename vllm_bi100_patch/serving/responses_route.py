@@ -6,8 +6,10 @@ completion it asks for (``responses_request.chat_body``), validated by the app's
 request class (the chat row's, where it is installed: its mappings, refusals and client-schema
 limits apply), answered by the app's ``OpenAIServingChat.create_chat_completion`` (with every
 serving row on it: tool plans, strict checks, hermes streaming, finish chunks, reasoning) and
-written back as a Responses object or event stream (``responses_answer``).  Nothing is stored:
-``store`` is answered ``false`` and ``previous_response_id`` refused by name.
+written back as a Responses object or event stream (``responses_answer``).  Its output items
+are kept for a while (``responses_store``: bounded, in memory) unless ``store`` is false, so a
+later ``item_reference`` can name them; responses are not: ``previous_response_id`` is refused
+by name.
 
 A body that is not JSON, too deep for the parser, or that names a field the server cannot
 serve gets a 400 naming it, before anything reaches the engine; an error answer of the chat
@@ -24,14 +26,16 @@ from ..activation import config
 from ..patching import code_shapes, versions
 from ..patching.factories import Wrapper, counter
 from ..patching.versions import Family
-from . import responses_answer, responses_request
+from . import responses_answer, responses_request, responses_store
 from .refusal import RequestRefused
+from .request_body import warn_once
 
 log = logging.getLogger("vllm_bi100_patch")
 
 PATH = "/v1/responses"
 SERVED = counter("responses_api")
 REFUSED = counter("responses_refused")
+HOSTED = counter("responses_hosted_tools")
 
 PARAMS = ("args",)
 KNOWN: Dict[str, str] = {
@@ -98,6 +102,8 @@ async def _events(module: types.ModuleType, stream: AsyncIterator[str], response
                 yield event
     for event in events.end():
         yield event
+    if echo.get("store"):
+        responses_store.keep(events.final()["output"])
 
 
 def make_build_app_wrapper(family: Family, original: Callable[..., Any],
@@ -113,13 +119,18 @@ def make_build_app_wrapper(family: Family, original: Callable[..., Any],
             log.info("vllm-bi100-patch: %s refused: %s", PATH, message[:300])
             return _error(module, serving, message)
         SERVED.add()
+        for kind in echo["hosted_tools_dropped"]:
+            warn_once(HOSTED, PATH, f"hosted tool {kind!r}", "OpenAI runs it on its own "
+                      "servers; this one cannot: the model is not offered it")
         response_id = responses_answer.new_id("resp")
         answer = await serving.create_chat_completion(request, raw_request)
         if isinstance(answer, module.ErrorResponse):
             return module.JSONResponse(answer.model_dump(), status_code=answer.code)
         if isinstance(answer, module.ChatCompletionResponse):
-            return module.JSONResponse(
-                responses_answer.response(answer.model_dump(), response_id, echo))
+            obj = responses_answer.response(answer.model_dump(), response_id, echo)
+            if echo.get("store"):
+                responses_store.keep(obj["output"])
+            return module.JSONResponse(obj)
         return module.StreamingResponse(
             _events(module, answer, response_id, request.model, echo),
             media_type="text/event-stream")
