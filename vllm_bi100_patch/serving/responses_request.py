@@ -15,9 +15,9 @@ system, developer, assistant; text parts, images), ``function_call`` (an assista
 message), ``reasoning`` (left out of the prompt: 0.6.3's chat row drops an echoed
 ``reasoning_content`` the same way, and the models' templates do not show past thinking).
 Any other item type, a custom tool, and stored state other than items are refused by name.
-The result is the body the chat row (``chat_compat``) validates next: what it maps or refuses there (``strict``,
-``tool_choice`` forms, ``json_schema``, the client-schema limits) happens as for a chat
-request.
+The result is the body the chat row (``chat_compat``) validates next: what it maps or
+refuses there (``strict``, ``tool_choice`` forms, ``json_schema``, the client-schema limits)
+happens as for a chat request.
 
 Work is bounded by the body: one pass over ``input`` and ``tools``, no schema read here.
 Stdlib only; never imports vLLM.
