@@ -214,8 +214,9 @@ def frameworks(session: nox.Session) -> None:
     env = {"BI100_FRAMEWORK_VENVS": json.dumps(clients), "BI100_FRAMEWORK_OUT": out,
            "BI100_FRAMEWORK_NODE": _node_clients(session)}
     failed = []
-    for vllm, servers, tests in (("0.6.3.post1", "shim,stock", ["tests/frameworks"]),
-                                 ("0.6.3+corex.3.2.3", "shim",
+    for vllm, servers, tests in (("0.6.3.post1", "shim,stock,reasoning,stock_reasoning",
+                                  ["tests/frameworks"]),
+                                 ("0.6.3+corex.3.2.3", "shim,reasoning",
                                   ["tests/frameworks/test_frameworks.py"])):
         if "corex" in vllm:
             session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))

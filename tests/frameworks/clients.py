@@ -38,16 +38,25 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers package
 
 from helpers.probes import report  # noqa: E402
 
-#: name -> (group, function(ctx)); in the order they run.  Importing this module needs only the
-#: standard library (tests/frameworks/test_frameworks.py reads the names in the server venv).
-CASES: Dict[str, Tuple[str, Callable]] = {}
+#: name -> (group, function(ctx), server kind); in the order they run.  Importing this module
+#: needs only the standard library (tests/frameworks/test_frameworks.py reads the names in the
+#: server venv).
+CASES: Dict[str, Tuple[str, Callable, str]] = {}
+#: The servers whose engine stand-in is a reasoning model (``BI100_STANDIN_REASONING``): the
+#: ``reasoning`` cases run against these, every other case against the others.
+REASONING_SERVERS = ("reasoning", "stock_reasoning")
 
 
-def case(name: str, group: str = "main"):
+def case(name: str, group: str = "main", kind: str = "plain"):
     def register(fn):
-        CASES[name] = (group, fn)
+        CASES[name] = (group, fn, kind)
         return fn
     return register
+
+
+def runs_on(kind: str, label: str) -> bool:
+    """Whether a case of ``kind`` runs against the server ``label``."""
+    return (kind == "reasoning") == (label in REASONING_SERVERS)
 
 
 class Unit(str, enum.Enum):
@@ -907,6 +916,93 @@ def codex_exec_shell(ctx):
     equal(said[-1], final["text"], "codex's last message")
 
 
+# ----------------------------------------------------------- reasoning output
+#
+# Against a server whose engine stand-in thinks before every unguided answer
+# (``standin_server.THINKING``: ``<think>...</think>`` with a ``<tool_call>`` inside the thinking,
+# which no client may see as a call), started with ``--enable-reasoning --reasoning-parser
+# deepseek_r1`` where its command line has them (the shim's).
+
+
+def _thought(ctx, entry: Optional[dict] = None) -> Tuple[str, str]:
+    """(the engine's thinking without its tags, its answer after ``</think>``)."""
+    entry = entry or ctx.last()
+    check(bool(entry.get("thinking")), f"the engine did not think: {entry}")
+    thinking, _, answer = entry["text"].partition("</think>")
+    return thinking.replace("<think>", "", 1), answer
+
+
+@case("reasoning_openai.chat", kind="reasoning")
+def reasoning_chat(ctx):
+    m = _openai(ctx).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": ctx.prompt()}]).choices[0].message
+    thinking, answer = _thought(ctx)
+    equal(((m.model_extra or {}).get("reasoning_content"), m.content), (thinking, answer),
+          "(reasoning_content, content)")
+
+
+@case("reasoning_openai.chat_stream", kind="reasoning")
+def reasoning_chat_stream(ctx):
+    got_thinking, got_content = "", ""
+    for chunk in _openai(ctx).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": ctx.prompt()}], stream=True):
+        for choice in chunk.choices:
+            got_thinking += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            got_content += choice.delta.content or ""
+    equal((got_thinking, got_content), _thought(ctx), "streamed (reasoning_content, content)")
+
+
+@case("reasoning_openai.responses", kind="reasoning")
+def reasoning_responses(ctx):
+    r = _openai(ctx).responses.create(model="tiny", input=ctx.prompt())
+    thinking, answer = _thought(ctx)
+    equal([o.type for o in r.output], ["reasoning", "message"], "output items")
+    equal((r.output[0].content[0].text, r.output_text), (thinking, answer),
+          "(reasoning item, output_text)")
+
+
+@case("reasoning_openai.responses_stream", kind="reasoning")
+def reasoning_responses_stream(ctx):
+    got = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    with _openai(ctx).responses.stream(model="tiny", input=ctx.prompt()) as stream:
+        for event in stream:
+            if event.type in got:
+                got[event.type] += event.delta
+        final = stream.get_final_response()
+    equal(tuple(got.values()), _thought(ctx), "streamed (reasoning, text)")
+    equal(final.output_text, _thought(ctx)[1], "final output_text")
+
+
+@case("reasoning_openai_agents.tool_run", kind="reasoning")
+def reasoning_agents_tool(ctx):
+    """The Responses model with a tool: the call the answer makes after the thinking runs,
+    the one inside the thinking does not."""
+    from agents import Runner
+    result = Runner.run_sync(_responses_agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
+    first = ctx.requests()[0]
+    args = json.loads(re.search(r"<tool_call>(.*)</tool_call>",
+                                _thought(ctx, first)[1]).group(1))["arguments"]
+    equal(ctx.calls, [args], "tool calls (the answer's, not the thinking's)")
+    equal(result.final_output, _thought(ctx)[1], "final output")
+
+
+@case("reasoning_langchain.bind_tools", kind="reasoning")
+def reasoning_lc_bind_tools(ctx):
+    msg = _chat_openai(ctx).bind_tools([ctx.get_weather]).invoke(ctx.prompt())
+    args = json.loads(re.search(r"<tool_call>(.*)</tool_call>",
+                                _thought(ctx)[1]).group(1))["arguments"]
+    equal([(c["name"], c["args"]) for c in msg.tool_calls], [("get_weather", args)],
+          "tool calls (the answer's, not the thinking's)")
+    check("<think>" not in (msg.content or "") and "I could call" not in (msg.content or ""),
+          f"the thinking is in the content: {msg.content!r}")
+
+
+@case("reasoning_ai_sdk.generate_text", "node", kind="reasoning")
+def reasoning_ai_sdk_text(ctx):
+    got = _ai_sdk(ctx, "generate_text")
+    equal(got["text"], _thought(ctx)[1], "text (the answer, not the thinking)")
+
+
 # --------------------------------------------------------------------------- runner
 
 
@@ -985,8 +1081,8 @@ def main(argv: List[str]) -> int:
     define_models()
     report(group=group, versions=versions(group))
     for label, url in servers:
-        for name, (g, fn) in CASES.items():
-            if g == group:
+        for name, (g, fn, kind) in CASES.items():
+            if g == group and runs_on(kind, label):
                 report(**run(name, fn, label, url))
     return 0
 

@@ -30,12 +30,21 @@ from helpers.probes import TAG, clean_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from clients import CASES  # noqa: E402  (standard library only at import)
+from clients import CASES, runs_on  # noqa: E402  (standard library only at import)
 
 pytestmark = pytest.mark.frameworks
 
-SERVERS = {"shim": {"VLLM_BI100_PATCH": "1"}, "stock": {"VLLM_BI100_PATCH": "0"}}
-ROWS = ("chat_request_compat", "seq_limit_openai", "error_message_cause")
+#: ``reasoning``, ``stock_reasoning``: the engine stand-in thinks before it answers
+#: (``standin_server.REASONING``); the shim's server is started with upstream's
+#: ``--enable-reasoning --reasoning-parser deepseek_r1``, stock's has no such flags.
+SERVERS = {"shim": {"VLLM_BI100_PATCH": "1"}, "stock": {"VLLM_BI100_PATCH": "0"},
+           "reasoning": {"VLLM_BI100_PATCH": "1", "BI100_STANDIN_REASONING": "deepseek_r1"},
+           "stock_reasoning": {"VLLM_BI100_PATCH": "0",
+                               "BI100_STANDIN_REASONING": "deepseek_r1"}}
+#: The shim's server for each kind of case.
+SHIM_FOR = {"plain": "shim", "reasoning": "reasoning"}
+ROWS = ("chat_request_compat", "seq_limit_openai", "error_message_cause", "responses_api",
+        "reasoning_flags", "reasoning_parser", "reasoning_output", "reasoning_stream")
 #: Nothing leaves the machine: any proxied request goes to a closed local port and fails at
 #: once (the servers are reached directly: NO_PROXY), telemetry and tracing are off.
 OFFLINE = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
@@ -50,7 +59,8 @@ START_TIMEOUT = 300
 
 
 def _wanted():
-    names = os.environ.get("BI100_FRAMEWORK_SERVERS", "shim,stock").split(",")
+    names = os.environ.get("BI100_FRAMEWORK_SERVERS",
+                           "shim,stock,reasoning,stock_reasoning").split(",")
     return [n for n in names if n]
 
 
@@ -80,11 +90,13 @@ def _ready(label, proc, log_path, deadline):
 def _table(reports, servers) -> str:
     head = "| case | " + " | ".join(servers) + " |\n|---|" + "---|" * len(servers) + "\n"
     rows = []
-    for name in CASES:
+    for name, (_, _, kind) in CASES.items():
         cells = []
         for label in servers:
             r = reports.get((label, name))
-            if r is None:
+            if not runs_on(kind, label):
+                cells.append("")
+            elif r is None:
                 cells.append("not run")
             elif r["ok"]:
                 cells.append("ok " + ",".join(map(str, r["http"])))
@@ -156,7 +168,7 @@ def test_the_servers_are_what_they_claim(outcomes):
     for label, info in servers.items():
         if expect:
             assert info["vllm"] == expect, (label, info)
-        if label == "shim":
+        if SERVERS[label]["VLLM_BI100_PATCH"] == "1":
             assert set(ROWS) <= set(info["patched"]), info
         else:
             assert info["patched"] == [], info
@@ -164,16 +176,17 @@ def test_the_servers_are_what_they_claim(outcomes):
 
 def test_every_case_ran_on_every_server(outcomes):
     groups = set(json.loads(os.environ["BI100_FRAMEWORK_VENVS"]))
-    want = {(label, name) for label in _wanted() for name, (g, _) in CASES.items()
-            if g in groups}
+    want = {(label, name) for label in _wanted() for name, (g, _, kind) in CASES.items()
+            if g in groups and runs_on(kind, label)}
     assert set(outcomes["reports"]) == want
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_default_path_served_with_the_shim(outcomes, name):
-    if "shim" not in _wanted():
-        pytest.skip("no shim server in this run")
-    r = outcomes["reports"].get(("shim", name))
+    shim = SHIM_FOR[CASES[name][2]]
+    if shim not in _wanted():
+        pytest.skip(f"no {shim} server in this run")
+    r = outcomes["reports"].get((shim, name))
     if r is None:
         pytest.skip(f"the client venv of {name} was not built in this run")
     assert r["ok"], (f"{name} with the shim: HTTP {r['http']}, {r['requests']} request(s) "

@@ -38,6 +38,7 @@ ROWS = ("responses_api", "reasoning_flags", "reasoning_parser", "reasoning_outpu
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +323,7 @@ def test_the_thinking_is_reasoning_content_and_tools_read_the_answer_only(server
 def test_a_call_after_the_thinking_is_a_call(servers):
     port = servers["r1"]["port"]
     pieces = ["Weather needed.", "</think>", "\n\n", "<tool_call>", CALL, "</tool_call>", ""]
-    status, body = chat(port, pieces, tools=[{"type": "function", "function": TOOL}])
+    status, body = chat(port, pieces, tools=[CHAT_TOOL])
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == "Weather needed.", body
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [

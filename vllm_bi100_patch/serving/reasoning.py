@@ -127,13 +127,13 @@ class Taken:
     async def outputs(self, results: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for res in results:
             for out in res.outputs:
-                split = self.splits.setdefault(out.index, Split(self.parser))
-                if self.whole:
-                    thinking, answer = split.whole(out.text)
+                if self.whole:  # each output holds the whole text so far: read it afresh
+                    thinking, answer = Split(self.parser).whole(out.text)
                     if thinking is not None:
                         self.thinking[out.index] = thinking
                     out.text = answer or ""
                     continue
+                split = self.splits.setdefault(out.index, Split(self.parser))
                 thinking, answer = split.feed(out.text)
                 if out.finish_reason is not None:
                     more, rest = split.finish()

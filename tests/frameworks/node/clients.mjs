@@ -86,6 +86,9 @@ const CASES = {
     const second = await generateText({ model: openai("tiny"), messages });
     return { ...summary(second), first: first.text };
   },
+  // a reasoning model's answer through the default model: the text is the answer alone
+  "generate_text": async () => summary(await generateText({ model: openai("tiny"),
+                                                           prompt: PROMPT })),
   "generate_output_object": async () => {
     const r = await generateText({ model: openai("tiny"), prompt: PROMPT,
                                    output: Output.object({ schema: Report }) });
