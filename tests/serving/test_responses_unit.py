@@ -298,3 +298,34 @@ def test_the_streamed_text_is_the_sum_of_its_deltas(pieces):
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == "".join(pieces)
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
+
+
+WORDS = st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                         "item_reference", "input_text", "output_text", "input_image", "user",
+                         "assistant", "developer", "system", "function", "namespace",
+                         "web_search", "json_schema", "json_object", "text", "auto", "none",
+                         "required", "medium", "disabled"])
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                    | st.text(max_size=8) | WORDS,
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.sampled_from(
+                        ["type", "role", "content", "text", "name", "call_id", "arguments",
+                         "output", "id", "tools", "format", "parameters", "x"]), inner,
+                        max_size=4), max_leaves=20)
+FIELDS = sorted(rr.MAPPED | rr.ECHOED | rr.IGNORED | set(rr.REFUSED)) + ["bogus"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))
+def test_any_body_is_mapped_or_refused_by_name(data):
+    """Fuzz: whatever a client sends, the mapping answers a chat body or a 400 naming what it
+    cannot serve; nothing else escapes (no TypeError, KeyError, ...)."""
+    try:
+        chat, echo = rr.chat_body(data)
+    except RequestRefused as exc:
+        assert str(exc).startswith("/v1/responses: ")
+        return
+    assert isinstance(chat["messages"], list) and chat["messages"]
+    assert all(m["role"] in ("system", "developer", "user", "assistant", "tool")
+               for m in chat["messages"])
+    json.dumps(chat)

@@ -152,6 +152,8 @@ def messages(data: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
         return out, 0
     if not isinstance(items, list):
         raise RequestRefused(f"{ENDPOINT}: `input` must be a string or a list of items")
+    if not items:
+        raise RequestRefused(f"{ENDPOINT}: `input` has no items")
     reasoning = 0
     for i, item in enumerate(items):
         at = f"input[{i}]"
@@ -193,6 +195,9 @@ def messages(data: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
             raise refuse(f"{at} of type {shown(kind)}",
                          "input items are messages, function_call, function_call_output and "
                          "reasoning; this server runs no hosted or custom tools")
+    if not out:
+        raise RequestRefused(f"{ENDPOINT}: `input` has no message for the model to answer "
+                             "(reasoning items only)")
     return out, reasoning
 
 
@@ -302,7 +307,7 @@ def chat_body(data: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     if not isinstance(include, list):
         raise RequestRefused(f"{ENDPOINT}: `include` must be a list")
     for value in include:
-        if value not in INCLUDE_NOTHING:
+        if not isinstance(value, str) or value not in INCLUDE_NOTHING:
             raise refuse(f"include {shown(value)}", "log probabilities are not served by this "
                          "endpoint" if "logprobs" in str(value) else "unknown value")
     _reasoning(data.get("reasoning"))
