@@ -2,6 +2,9 @@
 serves: ``chat_body`` maps each field the first upstream release served (vLLM 0.10.0,
 stateless) onto the chat request's, or refuses it by name (``RequestRefused``, a 400).
 
+One concept: the request's mapping, field by field and item by item (one table of what each
+field does, docs/serving-compat.md's, lives here whole).
+
 Function tools become chat tools, the function tools of a ``namespace`` too (their calls
 answered with the namespace); hosted tools (``HOSTED``: OpenAI runs them) are left out of what
 the model sees.  An ``item_reference`` is read as the item it names, from the items this
