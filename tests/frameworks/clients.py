@@ -745,10 +745,21 @@ def _node_run(args: List[str], cwd: str, env: Optional[dict] = None):
                           timeout=NODE_TIMEOUT)
 
 
+def _script() -> str:
+    """``node/clients.mjs`` beside the installed packages: Node resolves a module's imports
+    from the module's own folder, not the working directory."""
+    import shutil
+
+    src = os.path.join(HERE, "node", "clients.mjs")
+    dst = os.path.join(node_dir(), "clients.mjs")
+    if os.path.abspath(src) != os.path.abspath(dst):
+        shutil.copyfile(src, dst)
+    return dst
+
+
 def _ai_sdk(ctx, name: str) -> dict:
     """``node/clients.mjs``: the AI SDK case ``name`` against the server, its JSON line."""
-    proc = _node_run([os.path.join(HERE, "node", "clients.mjs"), name, ctx.base, ctx.name],
-                     cwd=node_dir())
+    proc = _node_run([_script(), name, ctx.base, ctx.name], cwd=node_dir())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"node clients.mjs {name} failed (rc={proc.returncode}): "

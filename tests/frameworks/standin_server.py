@@ -60,7 +60,9 @@ TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MAX_NUM_SEQS = 4
-MAX_MODEL_LEN = 16384
+#: Codex's prompt (its instructions and tools) is about 30,000 bytes, a token each to this
+#: byte-level tokenizer.
+MAX_MODEL_LEN = 131072
 #: Tokens per streamed delta (special tokens come alone).
 DELTA_TOKENS = 4
 TEXT = "Hello from the stand-in engine."
