@@ -364,3 +364,21 @@ def test_any_split_of_the_output_streams_the_same(servers, cuts):
     status, events = chat(port, pieces, stream=True)
     content, thinking, _, _ = _chat_stream(events)
     assert (thinking, content) == ("Plan: <b>go</b>.", "\n\nDone."), pieces
+
+
+def test_vllm_serve_takes_upstreams_reasoning_flags():
+    """``vllm serve``'s own command line (``vllm.scripts.main``) lists the flags with the shim,
+    and 0.6.3's does not."""
+    installed = installed_vllm()
+    if not installed.startswith("0.6.3"):
+        pytest.skip(f"the reasoning rows are for vLLM 0.6.3; this is {installed}")
+    code = "import sys; sys.argv = ['vllm', 'serve', '--help']; from vllm.scripts import main; main()"
+    out = {}
+    for name in ("shim", "stock"):
+        proc = subprocess.run([sys.executable, "-c", code], env=clean_env(SERVERS[name]),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = proc.stdout
+    assert "--reasoning-parser {deepseek_r1,qwen3}" in out["shim"]
+    assert "--enable-reasoning" in out["shim"]
+    assert "--reasoning-parser" not in out["stock"]
