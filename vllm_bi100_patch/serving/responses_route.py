@@ -18,19 +18,17 @@ path keeps its status.  Never imports vLLM: the app's classes are read from the 
 """
 
 import json
-import logging
 import types
 from typing import Any, AsyncIterator, Callable, Dict, Optional, Tuple
 
 from ..activation import config
+from ..activation.log import log
 from ..patching import code_shapes, versions
 from ..patching.factories import Wrapper, counter
 from ..patching.versions import Family
 from . import responses_answer, responses_request, responses_store
 from .refusal import RequestRefused
 from .request_body import warn_once
-
-log = logging.getLogger("vllm_bi100_patch")
 
 PATH = "/v1/responses"
 SERVED = counter("responses_api")
