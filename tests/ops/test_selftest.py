@@ -160,7 +160,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
 
 
 def _fake_ixformer():
-    path = os.path.join(ROOT, "tests", "corex", "fake_ixformer", "ixformer", "functions.py")
+    path = os.path.join(ROOT, "tests", "harness", "corex", "fake_ixformer", "ixformer", "functions.py")
     spec = importlib.util.spec_from_file_location("selftest_fake_ixformer_functions", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
