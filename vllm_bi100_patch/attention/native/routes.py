@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ..kernels._common import ceil_div
+from ..kernels.cache import ceil_div
 from .calls import DecodeCall
 from .limits import (ILUVATAR_V1_MAX_SEQ_LEN, NATIVE_HEAD_SIZES, STOCK_V1_MAX_SEQ_LEN, Routing,
                      use_v1, v1_limit)

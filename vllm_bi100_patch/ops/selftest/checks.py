@@ -20,7 +20,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ...attention.kernels import _common, decode, paged_decode, paged_prefix
+from ...attention.kernels import decode, paged_decode, paged_prefix
+from ...attention.kernels.cache import check_cache
+from ...attention.kernels.compute import compute_mode, fast_layout
 from ...attention.kernels.forced import forced, forcing
 from ...attention.kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
@@ -86,9 +88,9 @@ def check_formulation(device: torch.device) -> None:
     in float32 on CPU otherwise: the formulation the other checks' tolerances are for."""
     compute = forcing().compute
     want = "fp32" if device.type == "cpu" and compute is None else (compute or "native")
-    assert _common.compute_mode(device) == want, (_common.compute_mode(device), want)
+    assert compute_mode(device) == want, (compute_mode(device), want)
     if device.type != "cpu":
-        assert not _common.fast_layout(device)
+        assert not fast_layout(device)
         assert not prefix.sdpa_path_ok(torch.bfloat16, device)
 
 
@@ -272,7 +274,7 @@ def check_decode_batch_invariance(device: torch.device) -> None:
     heads = SHAPE[0]
     for dtype in _dtypes(device):
         q, kc, vc, bt, sl = _invariance_case(dtype, [3000, 9000, 100, 0, 800])
-        spec = _common.check_cache(kc, vc, dtype, "auto")
+        spec = check_cache(kc, vc, dtype, "auto")
         small = (decode.minimum_working_set(q.to(device), spec, 9008) >> 20) + 1
         slopes = torch.linspace(0.01, 0.2, heads)
         for target, n in ((0, 3000), (4, 800)):

@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .._common import CacheSpec, ScaleLike, ceil_div
+from ..cache import CacheSpec, ScaleLike, ceil_div
 
 __all__ = ["PrefixInputs", "SeqSpan", "Tiling", "minimum_working_set", "sdpa_max_end",
            "sdpa_path_ok", "wave_row_bytes",

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ....activation.log import log
-from .._common import ceil_div
+from ..cache import ceil_div
 from ._grid import Layout, Tile, waves
 from ._plan import PrefixInputs, SeqSpan, Tiling, value_columns, wave_row_bytes
 from ._rows import ScoreRows
