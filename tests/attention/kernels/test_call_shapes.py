@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm_bi100_patch.attention.kernels import decode, paged_decode
 from vllm_bi100_patch.attention.kernels.cache import check_cache
 from vllm_bi100_patch.attention.kernels.prefill import _sdpa as _prefix_sdpa
-from vllm_bi100_patch.attention.kernels.prefill import _rows as _prefix_rows
+from vllm_bi100_patch.attention.kernels.prefill import _scores
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 
@@ -84,7 +84,7 @@ class Recorder(TorchDispatchMode):
 
 def _recorded(monkeypatch, fn) -> Recorder:
     rec = Recorder()
-    monkeypatch.setattr(_prefix_rows, "TRACE", rec.trace)
+    monkeypatch.setattr(_scores, "TRACE", rec.trace)
     monkeypatch.setattr(_prefix_sdpa, "TRACE", rec.trace)
     with rec:
         fn()

@@ -9,7 +9,7 @@ std 0.1 or 0.3 with one key 3, 4.5 or 7 above it (the bulk carries most of the w
 score rounded at its own magnitude, or ``s - m`` at its, errs on every bulk key).
 
 Coverage, by design rather than the full product (which would take hours on CI's CPU): the
-construction (``prefill._rows``: ``s`` and its residual ``r = q.k - s`` formed in the
+construction (``prefill._scores``: ``s`` and its residual ``r = q.k - s`` formed in the
 product's float32 accumulator, the softmax of ``s`` times ``exp(r)``) acts on each score
 element alone, so what can change its error is (1) the row's distribution, (2) the path a
 row takes (key groups and tiles spanning them, the masks of a window, ALiBi's float32 calls,

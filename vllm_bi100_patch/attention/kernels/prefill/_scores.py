@@ -44,7 +44,7 @@ import torch
 from ._grid import Tile
 from ._plan import PrefixInputs, SeqSpan, Tiling
 
-__all__ = ["ScoreRows", "residual_mode"]
+__all__ = ["ScoreOps", "residual_mode"]
 
 #: Test hook: called with ``("tiled", tile's first position, first key, end key, work dtype)``
 #: before each product and softmax (``tests/attention/kernels/test_call_shapes.py`` attributes the
@@ -60,8 +60,8 @@ def residual_mode(work: torch.dtype) -> Optional[str]:
     return "expm1" if work == torch.float16 else "wide"
 
 
-class ScoreRows:
-    """The row operations of one call (its masks made once)."""
+class ScoreOps:
+    """The operations on a query tile's scores of one call (its masks made once)."""
 
     def __init__(self, inp: PrefixInputs, til: Tiling) -> None:
         self.inp, self.til = inp, til
