@@ -27,7 +27,7 @@ from ...attention.kernels.forced import forced, forcing
 from ...attention.kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
-from .precision import DIFFUSE_ROWS, MAX_RATIO, ROWS, precision_rows
+from .precision import DIFFUSE_LOGITS, LOGITS, MAX_RATIO, precision_results
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
                         make_tables, prefix_inputs, ref_decode, ref_prefix, rel_error)
 from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
@@ -43,7 +43,7 @@ QUICK = False
 #: The long context of ``check_logit_precision``'s diffuse rows (``--quick``: the shorter).
 LONG_CONTEXT, LONG_CONTEXT_QUICK = 131072, 16384
 #: The rows of the last ``check_logit_precision`` (``selftest``'s ``precision`` section).
-PRECISION_ROWS: List[Dict[str, Any]] = []
+PRECISION_RESULTS: List[Dict[str, Any]] = []
 
 
 class Skip(Exception):
@@ -162,20 +162,20 @@ def check_logit_precision(device: torch.device) -> None:
     if not halves:
         raise Skip("no half-precision dtype to check")
     heads, kv, head_size = SHAPE
-    diffuse = (DIFFUSE_ROWS[1], DIFFUSE_ROWS[3]) if QUICK else DIFFUSE_ROWS
+    diffuse = (DIFFUSE_LOGITS[1], DIFFUSE_LOGITS[3]) if QUICK else DIFFUSE_LOGITS
     long_ctx = LONG_CONTEXT_QUICK if QUICK else LONG_CONTEXT
     with forced(path="tiled") if device.type == "cpu" else forced():  # what a card runs
-        rows = precision_rows(device, halves, ("decode", "prefix", "dense"), ROWS + diffuse,
-                              variants=("plain",) if QUICK else ("plain", "groups"),
-                              heads=heads, kv_heads=kv, head_size=head_size)
-        long_rows = precision_rows(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
-                                   heads=heads, kv_heads=kv, head_size=head_size)
-    for r in long_rows:
+        results = precision_results(device, halves, ("decode", "prefix", "dense"), LOGITS + diffuse,
+                                    variants=("plain",) if QUICK else ("plain", "groups"),
+                                    heads=heads, kv_heads=kv, head_size=head_size)
+        long_results = precision_results(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
+                                         heads=heads, kv_heads=kv, head_size=head_size)
+    for r in long_results:
         r["variant"] = f"ctx {long_ctx}"
-    rows += long_rows
-    PRECISION_ROWS[:] = rows
+    results += long_results
+    PRECISION_RESULTS[:] = results
     worse = [(r["kernel"], r["variant"], r["dtype"], r["row"], round(r["ratio"], 2))
-             for r in rows if not r["ratio"] <= MAX_RATIO]
+             for r in results if not r["ratio"] <= MAX_RATIO]
     assert not worse, f"median error above {MAX_RATIO}x the float32-score reference: {worse}"
 
 
