@@ -49,7 +49,7 @@ def test_doctor_finds_nothing_broken_in_the_official_ops():
     from helpers.probes import clean_env
 
     if INSTALLED != "0.6.3.post1":
-        pytest.skip("the official wheel's audit (the stand-in's: tests/corex)")
+        pytest.skip("the official wheel's audit (the stand-in's: test_serving_path.py)")
     proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"],
                           env=clean_env({"VLLM_BI100_PATCH": "1"}), capture_output=True,
                           text=True, timeout=600)

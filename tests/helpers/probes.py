@@ -24,7 +24,7 @@ HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def installed_vllm() -> str:
     """The installed vLLM's version, as its metadata says; "" where none is installed (a
-    tests/real module collected by the unit session)."""
+    real_vllm test module collected by the unit session)."""
     import importlib.metadata
 
     try:
