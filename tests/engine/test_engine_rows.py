@@ -2,7 +2,7 @@
 modules of the code shapes they fix: applied only where that shape is (a known fingerprint),
 "not needed" where vLLM has the fix, failing their code check on an unknown shape, plain
 methods wrapped so they bind like one and reverted to the very same function.  vLLM's own
-code drives them in tests/engine (stand-in and real wheels)."""
+code drives them in test_killers.py (stand-in and real wheels)."""
 
 from __future__ import annotations
 

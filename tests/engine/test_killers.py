@@ -11,19 +11,19 @@ import sys
 
 import pytest
 
-from helpers.probes import clean_env, reports
+from helpers.probes import HARNESS, clean_env, reports
 
 pytestmark = pytest.mark.engine
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE = os.path.join(HARNESS, "engine")
 SHIM = {"VLLM_BI100_PATCH": "1"}
 ROWS = ("tp_empty_logits", "stream_delta", "mrope_positions")
 
 
 def _run(script, args, env):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args],
+    proc = subprocess.run([sys.executable, os.path.join(ENGINE, script), *args],
                           env=clean_env(env), capture_output=True, text=True, timeout=900,
-                          cwd=HERE)
+                          cwd=ENGINE)
     return reports(proc)
 
 
@@ -152,7 +152,7 @@ def test_without_the_row_mrope_chunks_crash_or_rotate_wrong(with_rows, without_r
 def test_doctor_shows_each_row_as_this_build_needs_it(with_rows, tp_with_row):
     proc = subprocess.run([sys.executable, "-m", "vllm_bi100_patch", "doctor"],
                           env=clean_env(SHIM), capture_output=True, text=True, timeout=600,
-                          cwd=HERE)
+                          cwd=ENGINE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     statuses = {"tp_empty_logits": tp_with_row[1]["status"],
                 "stream_delta": with_rows["stream_delta"]["status"],

@@ -17,10 +17,14 @@ from typing import Dict, Optional, Tuple
 
 TAG = "@@REPORT@@"
 
+#: tests/harness: the scripts, apps and stand-ins the harness-marked tests run in fresh
+#: interpreters, one folder per harness kind (real, corex, engine, ray, serve).
+HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harness")
+
 
 def installed_vllm() -> str:
     """The installed vLLM's version, as its metadata says; "" where none is installed (a
-    tests/real module collected by the unit session)."""
+    real_vllm test module collected by the unit session)."""
     import importlib.metadata
 
     try:

@@ -91,7 +91,7 @@ def test_selftest_table_and_exit_1_when_a_check_fails(capsys, monkeypatch):
     assert "| decode | fallback | 256 |" in text
 
 
-def test_selftest_reports_the_logit_precision_rows(capsys):
+def test_selftest_reports_the_logit_precision_results(capsys):
     """Issue 34's rows (logit std 1-30, sinks 10-200) and issue 41's two worst diffuse rows
     at the model's shape in the GPU formulation: decode, prefix and dense, then the diffuse
     rows on the prefix after 16,384 tokens (``--quick``), each within twice the
@@ -120,7 +120,7 @@ def test_selftest_fails_where_the_precision_is_not_kept(capsys, monkeypatch):
         return [{"kernel": "decode", "variant": "plain", "dtype": "bfloat16",
                  "row": "sink 100", "error": 3e-3, "reference": 1e-3, "ratio": 3.0}]
 
-    monkeypatch.setattr(checks, "precision_rows", imprecise)
+    monkeypatch.setattr(checks, "precision_results", imprecise)
     argv = [a for a in SMALL if not a.startswith("check_") and a != "--check"]
     rc, out, _ = _json(capsys, argv + ["--check", "check_logit_precision", "--lengths", "256",
                                        "--contexts", "0"])
@@ -160,7 +160,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
 
 
 def _fake_ixformer():
-    path = os.path.join(ROOT, "tests", "corex", "fake_ixformer", "ixformer", "functions.py")
+    path = os.path.join(ROOT, "tests", "harness", "corex", "fake_ixformer", "ixformer", "functions.py")
     spec = importlib.util.spec_from_file_location("selftest_fake_ixformer_functions", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -233,7 +233,7 @@ def test_shape_from_a_model_config(tmp_path):
         Shape.from_config(str(tmp_path / "missing"))
 
 
-def _rows(v1, fb):
+def _timings(v1, fb):
     rows = [{"kernel": "decode", "route": "native_v1", "tokens": n, "ms": ms}
             for n, ms in v1.items()]
     return rows + [{"kernel": "decode", "route": "fallback", "tokens": n, "ms": ms}
@@ -244,10 +244,10 @@ def test_crossover_found_where_the_fallback_becomes_faster():
     # V1 grows 4x faster with length; the lines cross near 10,923 tokens.
     v1 = {n: 1.0 + n / 2048 for n in (4096, 8192, 16384, 32768)}
     fb = {n: 5.0 + n / 8192 for n in v1}
-    got = plan.crossover(_rows(v1, fb))
+    got = plan.crossover(_timings(v1, fb))
     assert got["first_fallback"] == 16384 and got["last_v1"] == 8192
     assert got["estimate"] == pytest.approx(10923, abs=2)
-    rec = plan.recommendations(_rows(v1, fb), [], 32768, 256)
+    rec = plan.recommendations(_timings(v1, fb), [], 32768, 256)
     assert rec[0]["setting"] == "VLLM_BI100_DECODE_FALLBACK_ABOVE" and rec[0]["value"] == 8192
 
 
@@ -255,11 +255,11 @@ def test_no_crossover_where_v1_is_always_faster_and_noise_is_not_one():
     v1 = {n: 1.0 + n / 8192 for n in (4096, 8192, 16384, 32768)}
     fb = {n: 2.0 + n / 4096 for n in v1}
     fb[4096] = 0.5  # one noisy short-context win does not make a crossover
-    assert plan.crossover(_rows(v1, fb)) is None
-    rec = plan.recommendations(_rows(v1, fb), [], 32768, 256)
+    assert plan.crossover(_timings(v1, fb)) is None
+    rec = plan.recommendations(_timings(v1, fb), [], 32768, 256)
     assert "faster at every length" in rec[0]["why"] and rec[0]["value"] is None
-    assert plan.crossover(_rows({}, fb)) is None  # nothing measured on both routes
-    always = plan.crossover(_rows(v1, {n: 0.1 for n in v1}))
+    assert plan.crossover(_timings({}, fb)) is None  # nothing measured on both routes
+    always = plan.crossover(_timings(v1, {n: 0.1 for n in v1}))
     assert always == {"first_fallback": 4096, "last_v1": None, "estimate": 4096}
 
 
@@ -275,7 +275,7 @@ def test_calibration_recovers_launch_cost_and_bandwidth():
 
 
 def test_projection_routes_and_the_timeout_from_the_longest_chunk():
-    rows = _rows({1024: 1.0, 32768: 4.0}, {n: n * 6 / 65536 for n in (1024, 32768, 65536)})
+    rows = _timings({1024: 1.0, 32768: 4.0}, {n: n * 6 / 65536 for n in (1024, 32768, 65536)})
     proj = plan.projection(rows, 10, [1024, 32768, 65536, 131072], v1_limit=32768)
     assert [(p["tokens"], p["route"], p["source"]) for p in proj] == [
         (1024, "native_v1", "measured"), (32768, "native_v1", "measured"),

@@ -71,13 +71,13 @@ def test_an_empty_selection_fails_the_run():
 
 
 def test_corex_standin_never_writes_through_a_hard_link(tmp_path):
-    """tests/corex/standin.py edits installed vLLM files that uv hard-links to its cache: an
+    """tests/harness/corex/standin.py edits installed vLLM files that uv hard-links to its cache: an
     in-place write would turn the cached official wheel (and every venv made from it) into the
     stand-in."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "_standin_under_test", os.path.join(ROOT, "tests", "corex", "standin.py"))
+        "_standin_under_test", os.path.join(ROOT, "tests", "harness", "corex", "standin.py"))
     standin = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(standin)
     cached = tmp_path / "cache-METADATA"

@@ -4,7 +4,7 @@ shim does with a client schema"): references resolved only within the schema (an
 ``required`` schema keeping each tool's references, empty schemas guided as objects, the
 formats of OpenAI's strict mode, and the strict check's validator (no retrieval, patterns under
 a time budget: needs jsonschema and regex, which vLLM installs; skipped where they are absent).
-Through vLLM 0.6.3's own app: tests/real/test_hostile_bodies.py."""
+Through vLLM 0.6.3's own app: tests/serving/test_hostile_bodies.py."""
 
 from __future__ import annotations
 

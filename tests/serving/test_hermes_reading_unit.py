@@ -2,7 +2,7 @@
 without vLLM, over outputs and splits Hypothesis draws: each call's arguments streamed are
 exactly the text the model wrote for them (a prefix of it while the output is cut), the name
 once, in the first delta of its index, the text before the calls as content.  Through vLLM
-0.6.3's own server app: tests/real/test_hermes_stream.py.
+0.6.3's own server app: tests/serving/test_hermes_stream.py.
 """
 
 from __future__ import annotations

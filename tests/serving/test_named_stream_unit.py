@@ -1,7 +1,7 @@
 """Rows ``named_tool_stream`` and ``hermes_cut_call`` without vLLM: a named stream's chunks as
 0.6.3 writes them rewritten (id and type once, the name once, index 0 per choice; other chunks
 untouched; each row's kill switch), and which hermes outputs are a call cut short.  Through
-vLLM 0.6.3's own server app: tests/real/test_hermes_stream.py.
+vLLM 0.6.3's own server app: tests/serving/test_hermes_stream.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reasoning output without vLLM (docs/serving-compat.md, "Reasoning output"): the split of
 the thinking off an output (``reasoning.Split``), whole or in any deltas, the stream's chunks
 (``reasoning.Chunks``), and how a server asks for a parser (``reasoning_config``).  Through
-vLLM 0.6.3's own app: tests/real/test_responses.py, tests/frameworks."""
+vLLM 0.6.3's own app: tests/serving/test_responses.py, tests/serving/frameworks."""
 
 from __future__ import annotations
 

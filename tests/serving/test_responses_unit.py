@@ -2,7 +2,7 @@
 as a chat completion (``responses_request.chat_body``: each field mapped, echoed, ignored or
 refused by name) and a chat answer written as a response object or event stream
 (``responses_answer``).  Through vLLM 0.6.3's own app and the clients:
-tests/real/test_responses.py, tests/frameworks."""
+tests/serving/test_responses.py, tests/serving/frameworks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The serving rows without vLLM (docs/serving-compat.md): the request body's mappings
 (``chat_compat.rewrite``), the n/best_of limit (``seq_limit.too_many``) and the table's
 ``replace_class`` kind through the registry.  Against vLLM 0.6.3's own server app, scheduler
-and the ``openai`` client: tests/real/test_serving_compat.py."""
+and the ``openai`` client: tests/serving/test_serving_compat.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The serving rows of issue 35 without vLLM: a replaced class rebound wherever a module bound
 it and put back by revert (``rebind``), the message-less exceptions explained by their own
 kind (``error_cause``), a guide that cannot be built named with its cause (``guided``).
-Through vLLM 0.6.3's own engines, app and guided decoding: tests/real/test_serving_engine.py.
+Through vLLM 0.6.3's own engines, app and guided decoding: tests/serving/test_serving_engine.py.
 """
 
 from __future__ import annotations

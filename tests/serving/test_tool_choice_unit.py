@@ -2,7 +2,7 @@
 ``tool_choice`` objects, "required" as one guided schema (the shape of vLLM #13483), ``strict``,
 and row ``chat_tool_calls``'s reading of the answers (``tool_args.CallArray``, the whole answer
 and the stream, as vLLM 0.6.3 builds them).  Through vLLM 0.6.3's own server app and the
-``openai`` client: tests/real/test_serving_tools.py."""
+``openai`` client: tests/serving/test_serving_tools.py."""
 
 from __future__ import annotations
 

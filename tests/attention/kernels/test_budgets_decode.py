@@ -22,7 +22,8 @@ from helpers.reference import cpu_half_gemm
 from tools.account import DEVICES, Account, predict
 
 from vllm_bi100_patch.attention.kernels.forced import forced
-from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels import decode, paged_decode
+from vllm_bi100_patch.attention.kernels.cache import check_cache
 
 #: The field's per-rank shape (TP=4 of a 16/4-head model of head size 256) and the benchmark's.
 FIELD = dict(heads=4, kv_heads=1, head_size=256, dtype=torch.float16)
@@ -118,7 +119,7 @@ def test_passes_follow_the_budget():
     lens = [8192, 3000, 5000, 100]
     args = _case(lens, **FIELD)
     with forced(compute="native", layout="generic"):
-        spec = _common.check_cache(args[1], args[2], args[0].dtype, "auto")
+        spec = check_cache(args[1], args[2], args[0].dtype, "auto")
         least = decode.minimum_working_set(args[0], spec, 8192)
         two = (least >> 20) + 1  # room for one sequence, not for all four
         outs, launches = [], []

@@ -35,9 +35,10 @@ from helpers.reference import cpu_half_gemm, make_cache
 from helpers.slicing import chunked, dense_rows, hit, prefix_rows, prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels import decode, paged_decode
+from vllm_bi100_patch.attention.kernels.cache import check_cache
 from vllm_bi100_patch.attention.kernels.prefill import _sdpa as _prefix_sdpa
-from vllm_bi100_patch.attention.kernels.prefill import _rows as _prefix_rows
+from vllm_bi100_patch.attention.kernels.prefill import _scores
 
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm", "dot", "mv"}
 
@@ -83,7 +84,7 @@ class Recorder(TorchDispatchMode):
 
 def _recorded(monkeypatch, fn) -> Recorder:
     rec = Recorder()
-    monkeypatch.setattr(_prefix_rows, "TRACE", rec.trace)
+    monkeypatch.setattr(_scores, "TRACE", rec.trace)
     monkeypatch.setattr(_prefix_sdpa, "TRACE", rec.trace)
     with rec:
         fn()
@@ -260,7 +261,7 @@ def _decode_batches(dtype):
         at += n
     q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
     sl = torch.tensor(lens, dtype=torch.int32)
-    spec = _common.check_cache(kc, vc, dtype, "auto")
+    spec = check_cache(kc, vc, dtype, "auto")
     least = decode.minimum_working_set(q, spec, 20_000) >> 20
     alone = ([0], blocks[0], 2500, 256)
     batches = [([0, 1, 2, 3, 4], width, None, 256), ([3, 4, 0, 2, 1], width, 20_000, 256),

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.cache import check_cache
 from vllm_bi100_patch.attention.kernels import decode as decode_mod
 from vllm_bi100_patch.attention.kernels import paged_decode
 from vllm_bi100_patch.attention.kernels.decode import _device
@@ -190,7 +190,7 @@ def test_call_count_independent_of_num_seqs(path, force):
     counts, ops = [], []
     for num_seqs in (1, 16):
         q, kc, vc, bt, sl = _case(torch.float32, 64, 4, 2, 16, [400] * num_seqs)
-        plan = decode_mod.plan_decode(q, _common.check_cache(kc, vc, q.dtype, "auto"), 400)
+        plan = decode_mod.plan_decode(q, check_cache(kc, vc, q.dtype, "auto"), 400)
         assert plan.seq_group == num_seqs  # one pass: every tile at once (one chunk)
         assert plan.chunk == plan.tiles if path == "cpu" else num_seqs * plan.tiles <= plan.chunk
         counts.append(_python_calls(
@@ -216,7 +216,7 @@ def test_plan_bounded_for_huge_batches(path, force):
     q = torch.empty(4096, 32, 128, dtype=torch.bfloat16, device="meta")
     kc = torch.empty(4096 * 2048, 8, 16, 16, 8, dtype=torch.bfloat16, device="meta")
     vc = torch.empty(4096 * 2048, 8, 128, 16, dtype=torch.bfloat16, device="meta")
-    spec = _common.check_cache(kc, vc, q.dtype, "auto")
+    spec = check_cache(kc, vc, q.dtype, "auto")
     huge = decode_mod.plan_decode(q, spec, 32768, 256)
     alone = decode_mod.plan_decode(q[:1], spec, 32768, 256)
     assert huge.tile == alone.tile and huge.tiles == alone.tiles == 32768 // huge.tile
@@ -239,7 +239,7 @@ def test_peak_memory_under_budget(path, budget_mb, force):
     force(layout=layout, compute=compute)
     q, kc, vc, bt, sl = _case(torch.bfloat16, 128, 8, 4, 16, [6000, 3000, 17, 0], seed=2)
     if path == "gpu":
-        spec = _common.check_cache(kc, vc, q.dtype, "auto")
+        spec = check_cache(kc, vc, q.dtype, "auto")
         budget_mb += decode_mod.minimum_working_set(q, spec, bt.shape[1] * 16) >> 20
     with PeakMemory() as mem:
         out = paged_decode(q, kc, vc, bt, sl, 0.1, budget_mb=budget_mb)

@@ -10,7 +10,7 @@ import torch
 from helpers.reference import TOLERANCE, attend, cpu_half_gemm, rel_error
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.compute import compute_mode
 from vllm_bi100_patch.attention.kernels.prefill import dense
 
 LENS = [1, 23, 70, 8]
@@ -46,7 +46,7 @@ def test_matches_reference(formulation, dtype, heads, kv, variant):
                                  sliding_window=window, budget_mb=1)
     ref = _reference(q, k, v, LENS, d ** -0.5, alibi, window)
     assert out.dtype == dtype and out.shape == q.shape
-    assert rel_error(out, ref) <= TOLERANCE[(_common.compute_mode(q.device), dtype)]
+    assert rel_error(out, ref) <= TOLERANCE[(compute_mode(q.device), dtype)]
 
 
 def test_encoder_and_cross_attention_are_unmasked():

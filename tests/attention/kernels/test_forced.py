@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from vllm_bi100_patch.attention.kernels import _common
+from vllm_bi100_patch.attention.kernels.compute import compute_mode, fast_layout
 from vllm_bi100_patch.attention.kernels.forced import Forcing, forced, forcing
 
 CPU = torch.device("cpu")
@@ -22,12 +22,12 @@ def test_nested_blocks_restore_what_they_found_even_on_errors():
         with pytest.raises(RuntimeError):
             with forced(path="tiled", layout=None):
                 assert forcing() == Forcing("native", None, "tiled")
-                assert _common.fast_layout(CPU)  # None: chosen by device again
+                assert fast_layout(CPU)  # None: chosen by device again
                 raise RuntimeError("inside")
         assert forcing() == outer
-        assert _common.compute_mode(CPU) == "native" and not _common.fast_layout(CPU)
+        assert compute_mode(CPU) == "native" and not fast_layout(CPU)
     assert forcing() == Forcing()
-    assert _common.compute_mode(CPU) == "fp32" and _common.fast_layout(CPU)
+    assert compute_mode(CPU) == "fp32" and fast_layout(CPU)
 
 
 def test_an_unknown_value_is_refused_and_changes_nothing():
@@ -41,7 +41,7 @@ def test_other_threads_see_the_open_block():
     """vLLM's executor threads run the kernels: a block forces their calls too."""
     seen = []
     with forced(compute="native"):
-        worker = threading.Thread(target=lambda: seen.append(_common.compute_mode(CPU)))
+        worker = threading.Thread(target=lambda: seen.append(compute_mode(CPU)))
         worker.start()
         worker.join()
     assert seen == ["native"]

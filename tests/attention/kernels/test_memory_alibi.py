@@ -24,7 +24,8 @@ import pytest
 import torch
 from test_memory_budget import LOGGER, MiB, _check, _decode_case, _mode, _peak, _prefix_case
 
-from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels import decode, paged_decode
+from vllm_bi100_patch.attention.kernels.cache import check_cache
 from vllm_bi100_patch.attention.kernels.decode import _device
 from vllm_bi100_patch.attention.kernels.prefill import _attend, _plan, prefix
 
@@ -41,7 +42,7 @@ def test_decode_with_alibi_stays_within_its_budget(force, caplog):
     _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     q, kc, vc, bt, sl = _decode_case([6000] * 32, 32, 8, 64, torch.bfloat16)
-    spec = _common.check_cache(kc, vc, q.dtype, "auto")
+    spec = check_cache(kc, vc, q.dtype, "auto")
     width = bt.shape[1] * 16
     slopes = torch.tensor([2.0 ** (-(h + 1) / 4) for h in range(32)])
     least = decode.minimum_working_set(q, spec, width, alibi=True)

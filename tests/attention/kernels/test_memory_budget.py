@@ -23,7 +23,9 @@ from helpers.reference import make_cache
 from test_budgets_prefix import OneGemms
 from tools.memtrack import PeakMemory
 
-from vllm_bi100_patch.attention.kernels import _common, decode, paged_decode
+from vllm_bi100_patch.attention.kernels import decode, paged_decode
+from vllm_bi100_patch.attention.kernels.cache import check_cache
+from vllm_bi100_patch.attention.kernels.compute import compute_mode, work_dtype
 from vllm_bi100_patch.attention.kernels.prefill import _attend, _plan, dense, prefix
 from vllm_bi100_patch.attention.kernels.decode import _device
 
@@ -76,9 +78,9 @@ def _prefix_case(ctx, new, heads, kv, d, dtype, seed=0):
 
 def _prompt_least(heads, kv, d, dtype, budget_mb, end, window=None, gathered=True):
     """The prefix/dense kernels' minimum working set for keys ending at ``end``."""
-    work = _common.work_dtype(dtype, torch.device("cpu"))
+    work = work_dtype(dtype, torch.device("cpu"))
     til = _plan.tiling(heads, kv, d, 16, work, budget_mb * MiB, window=window,
-                       gpu=_common.compute_mode(torch.device("cpu")) == "native")
+                       gpu=compute_mode(torch.device("cpu")) == "native")
     return _plan.minimum_working_set(til, kv, d, end, gathered, window)
 
 
@@ -140,7 +142,7 @@ def test_decode_peaks(layout, compute, dtype, monkeypatch, caplog, force):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     lens = [6000, 3000, 17, 0, 5000, 2500]
     q, kc, vc, bt, sl = _decode_case(lens, 8, 2, 128, dtype)
-    spec = _common.check_cache(kc, vc, q.dtype, "auto")
+    spec = check_cache(kc, vc, q.dtype, "auto")
     width = bt.shape[1] * 16
     least = decode.minimum_working_set(q, spec, width)
     for budget_mb in sorted({1, 2, math.ceil(least / MiB), math.ceil(least / MiB) + 3,
@@ -164,7 +166,7 @@ def test_decode_minimum_at_the_field_shape(force, caplog):
     _mode(force, "generic", "native")
     caplog.set_level(logging.WARNING, logger=LOGGER)
     q, kc, vc, bt, sl = _decode_case([32768], 4, 1, 256, torch.float16)
-    spec = _common.check_cache(kc, vc, q.dtype, "auto")
+    spec = check_cache(kc, vc, q.dtype, "auto")
     least = {n: decode.minimum_working_set(q, spec, n) for n in (4096, 32768, 131072)}
     assert 35 * MiB < least[4096] < least[32768] < least[131072] < 42 * MiB, least
     budget_mb = math.ceil(least[32768] / MiB)

@@ -41,7 +41,8 @@ from helpers.reference import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_bi100_patch.attention.kernels.forced import forcing
-from vllm_bi100_patch.attention.kernels import _common, paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels import paged_decode, paged_prefix
+from vllm_bi100_patch.attention.kernels.compute import compute_mode, work_dtype
 
 def worst_errors(dtype, amps=(1.0, 3.0, 6.0), head_sizes=(64, 128), device="cpu"):
     """Worst relative decode and prefix (tiled path, several tiles) errors over the grid."""
@@ -95,10 +96,10 @@ def test_gemm_inputs_follow_the_compute_mode(dtype, formulation, force):
 
 def test_compute_mode_by_device(force):
     force(compute=None)
-    assert _common.compute_mode(torch.device("cpu")) == "fp32"
+    assert compute_mode(torch.device("cpu")) == "fp32"
     for dev in ("cuda", "cuda:1", "meta"):
-        assert _common.compute_mode(torch.device(dev)) == "native"
-    assert _common.work_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
-    assert _common.work_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+        assert compute_mode(torch.device(dev)) == "native"
+    assert work_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
+    assert work_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     force(compute="native")
-    assert _common.work_dtype(torch.float16, torch.device("cpu")) == torch.float16
+    assert work_dtype(torch.float16, torch.device("cpu")) == torch.float16

@@ -3,13 +3,13 @@ kernels in the GPU compute mode against float64, at most ``MAX_RATIO`` (2) times
 relative error of the float32-score reference (vLLM's kernel: float32 ``q.k`` and softmax,
 probabilities rounded to the half dtype, float32 ``P.V``), on every row of the issue's grid.
 
-Rows (``selftest.precision.ALL_ROWS``): logits of standard deviation 0.5, 1, 5, 10, 30; four
+Rows (``selftest.precision.ALL_LOGITS``): logits of standard deviation 0.5, 1, 5, 10, 30; four
 sink keys 10, 50, 100, 200, 1,000 above std-1 logits; *diffuse* rows, a bulk of keys of
 std 0.1 or 0.3 with one key 3, 4.5 or 7 above it (the bulk carries most of the weight: a
 score rounded at its own magnitude, or ``s - m`` at its, errs on every bulk key).
 
 Coverage, by design rather than the full product (which would take hours on CI's CPU): the
-construction (``prefill._rows``: ``s`` and its residual ``r = q.k - s`` formed in the
+construction (``prefill._scores``: ``s`` and its residual ``r = q.k - s`` formed in the
 product's float32 accumulator, the softmax of ``s`` times ``exp(r)``) acts on each score
 element alone, so what can change its error is (1) the row's distribution, (2) the path a
 row takes (key groups and tiles spanning them, the masks of a window, ALiBi's float32 calls,
@@ -41,7 +41,7 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm
 
-from vllm_bi100_patch.ops.selftest.precision import ALL_ROWS, DIFFUSE_ROWS, MAX_RATIO, precision_rows
+from vllm_bi100_patch.ops.selftest.precision import ALL_LOGITS, DIFFUSE_LOGITS, MAX_RATIO, precision_results
 
 BF16, FP16 = torch.bfloat16, torch.float16
 HALF = cpu_half_gemm()
@@ -66,45 +66,45 @@ def _dtype(dtype):
     return dtype
 
 
-STRESS = DIFFUSE_ROWS + (("sigma", 30.0), ("sink", 1000.0))
+STRESS = DIFFUSE_LOGITS + (("sigma", 30.0), ("sink", 1000.0))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_every_row_at_4k(dtype):
-    rows = precision_rows(torch.device("cpu"), [_dtype(dtype)], ["prefix"], ALL_ROWS,
-                          ctx=4096, new=8)
-    assert len(rows) == len(ALL_ROWS) == 16
+    rows = precision_results(torch.device("cpu"), [_dtype(dtype)], ["prefix"], ALL_LOGITS,
+                             ctx=4096, new=8)
+    assert len(rows) == len(ALL_LOGITS) == 16
     _within(rows)
 
 
 @pytest.mark.parametrize("variant", ["groups", "alibi", "window"])
 def test_every_prefix_path(variant):
-    _within(precision_rows(torch.device("cpu"), [BF16], ["prefix"], STRESS, ctx=4096, new=8,
-                           variants=[variant]))
+    _within(precision_results(torch.device("cpu"), [BF16], ["prefix"], STRESS, ctx=4096, new=8,
+                              variants=[variant]))
 
 
-@pytest.mark.parametrize("dtype,rows", [(BF16, ALL_ROWS), (FP16, STRESS)],
+@pytest.mark.parametrize("dtype,logits", [(BF16, ALL_LOGITS), (FP16, STRESS)],
                          ids=["bf16", "fp16"])
-def test_dense_rows(dtype, rows):
-    _within(precision_rows(torch.device("cpu"), [_dtype(dtype)], ["dense"], rows, ctx=2040,
-                           new=8, dense_last=8))
+def test_dense_logits(dtype, logits):
+    _within(precision_results(torch.device("cpu"), [_dtype(dtype)], ["dense"], logits, ctx=2040,
+                              new=8, dense_last=8))
 
 
 @pytest.mark.parametrize("dtype,heads,kv_heads,head_size", [
     (BF16, 4, 1, 64), (BF16, 4, 1, 256), (FP16, 4, 1, 256), (BF16, 16, 2, 128)],
     ids=["bf16-4/1x64", "bf16-4/1x256", "fp16-4/1x256", "bf16-16/2x128"])
 def test_head_shapes_at_16k(dtype, heads, kv_heads, head_size):
-    _within(precision_rows(torch.device("cpu"), [_dtype(dtype)], ["prefix"], WORST,
-                           ctx=16384, new=4, heads=heads, kv_heads=kv_heads,
-                           head_size=head_size))
+    _within(precision_results(torch.device("cpu"), [_dtype(dtype)], ["prefix"], WORST,
+                              ctx=16384, new=4, heads=heads, kv_heads=kv_heads,
+                              head_size=head_size))
 
 
-@pytest.mark.parametrize("dtype,ctx,rows", [
+@pytest.mark.parametrize("dtype,ctx,logits", [
     (BF16, 65536, (("diffuse0.1", 4.5), ("diffuse0.3", 3.0), ("sink", 1000.0))),
     (FP16, 65536, (("diffuse0.1", 4.5),)),
     (BF16, 131072, (("diffuse0.1", 4.5), ("diffuse0.1", 7.0))),
     (FP16, 131072, (("diffuse0.1", 4.5),))],
     ids=["bf16-65536", "fp16-65536", "bf16-131072", "fp16-131072"])
-def test_long_contexts(dtype, ctx, rows):
-    _within(precision_rows(torch.device("cpu"), [_dtype(dtype)], ["prefix"], rows, ctx=ctx,
-                           new=2))
+def test_long_contexts(dtype, ctx, logits):
+    _within(precision_results(torch.device("cpu"), [_dtype(dtype)], ["prefix"], logits, ctx=ctx,
+                              new=2))

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.reference import cpu_half_gemm
 
-from vllm_bi100_patch.ops.selftest.precision import MAX_RATIO, ROWS, precision_rows
+from vllm_bi100_patch.ops.selftest.precision import LOGITS, MAX_RATIO, precision_results
 
 DTYPES = [torch.bfloat16] + ([torch.float16] if cpu_half_gemm() else [])
 CASES = [("decode", "plain")] + [(kernel, variant) for kernel in ("prefix", "dense")
@@ -36,8 +36,8 @@ def gpu_mode(force):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_median_error_within_twice_the_float32_score_reference(kernel, variant, dtype,
                                                                gpu_mode):
-    rows = precision_rows(torch.device("cpu"), [dtype], [kernel], variants=[variant])
-    assert [r["row"] for r in rows] == [f"{kind} {size:g}" for kind, size in ROWS]
+    rows = precision_results(torch.device("cpu"), [dtype], [kernel], variants=[variant])
+    assert [r["row"] for r in rows] == [f"{kind} {size:g}" for kind, size in LOGITS]
     worse = [(r["row"], round(r["ratio"], 2), f"{r['error']:.2e}", f"{r['reference']:.2e}")
              for r in rows if not r["ratio"] <= MAX_RATIO]
     assert not worse, worse
@@ -47,6 +47,6 @@ def test_the_reference_is_what_the_issue_measured():
     """The float32-score reference's own errors (decode, bfloat16): 1.5-3e-3 in every row, as
     the issue's table gives for vLLM's kernel (1.7e-3 to 2.5e-3): the bar is not a loose
     one."""
-    rows = precision_rows(torch.device("cpu"), [torch.bfloat16], ["decode"])
+    rows = precision_results(torch.device("cpu"), [torch.bfloat16], ["decode"])
     for r in rows:
         assert 1e-3 < r["reference"] < 3e-3, r

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tools.memtrack import PeakMemory
 
 from vllm_bi100_patch.attention.kernels.forced import forced
-from vllm_bi100_patch.attention.kernels import _common, paged_prefix
+from vllm_bi100_patch.attention.kernels import paged_prefix
+from vllm_bi100_patch.attention.kernels.compute import work_dtype
 from vllm_bi100_patch.attention.kernels.prefill import _attend
 from vllm_bi100_patch.attention.kernels.prefill import _plan as _prefix_plan
 from vllm_bi100_patch.attention.kernels.prefill import prefix
@@ -99,7 +100,7 @@ def test_small_budget_tiles_queries_and_keys(formulation, force):
     # 1 MiB forces several query chunks and key groups; the answer must not change.
     force(path="tiled")
     args = _case(torch.float32, 64, 8, 2, 16, [240, 0, 33], [160, 40, 1], seed=5)
-    work = _common.work_dtype(torch.float32, torch.device("cpu"))
+    work = work_dtype(torch.float32, torch.device("cpu"))
     til = _prefix_plan.tiling(8, 2, 64, 16, work, 1 << 20)
     assert til.group_keys < 400
     assert til.tile_of(240)[1] < 160  # absolute query tiles: several here

@@ -3,7 +3,7 @@
 CoreX 3.2.3 (vLLM 0.6.3+corex.3.2.3): V1 takes ``head_mapping`` and stops at
 ``kv_cache_dtype``; V2 keeps the stock signature and only raises NotImplementedError.
 CoreX 4.3 (vLLM 0.8.3+corex): both kernels raise NotImplementedError.  V1 here is the fake
-ixformer's CPU reference (tests/corex/fake_ixformer), which raises ``BI100Hang`` where the
+ixformer's CPU reference (tests/harness/corex/fake_ixformer), which raises ``BI100Hang`` where the
 card would hang, so a wrong route fails the test instead of passing silently.
 """
 
@@ -20,14 +20,14 @@ import torch
 from helpers.reference import make_cache, make_tables, ref_decode
 
 from helpers import native_decode
+from helpers.probes import HARNESS
 
 from vllm_bi100_patch.attention import native
 from vllm_bi100_patch.attention.native import decoder as dispatch
 from vllm_bi100_patch.attention.native import longest
 from vllm_bi100_patch.attention.native.routes import Routing as DecodeRouting
 
-_IXF_PATH = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "corex", "fake_ixformer",
-                         "ixformer", "functions.py")
+_IXF_PATH = os.path.join(HARNESS, "corex", "fake_ixformer", "ixformer", "functions.py")
 
 
 def _load_fake_ixformer():

@@ -1,6 +1,6 @@
 """The route table is the one source of the decode routing: for every scenario the route the
-decoder takes is the first applicable row of ``routes.ROUTES``, and ``describe()`` (what doctor
-and status print) lists exactly the rows that can apply; every row and every kernel rule is
+decoder takes is the first applicable entry of ``routes.ROUTES``, and ``describe()`` (what doctor
+and status print) lists exactly the entries that can apply; every entry and every kernel rule is
 driven both ways (taken / excluding in some scenario, not in another)."""
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ def _run(name):
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_the_route_taken_is_the_first_applicable_row_and_describe_lists_it(name):
+def test_the_route_taken_is_the_first_applicable_entry_and_describe_lists_it(name):
     decoder, call, row = _run(name)
     assert row.name == SCENARIOS[name][3]
     bands = decoder.describe()["bands"]
-    active = {r.name for r, _ in decoder.routes.rows()}
-    for r in routes.ROUTES:  # describe lists exactly the rows that can apply
+    active = {r.name for r, _ in decoder.routes.applicable()}
+    for r in routes.ROUTES:  # describe lists exactly the entries that can apply
         band = r.band(decoder.routes)
         assert (band is not None) is (r.name in active)
         assert (band in bands) if band is not None else True
@@ -125,7 +125,7 @@ def test_the_route_taken_is_the_first_applicable_row_and_describe_lists_it(name)
         k: int(k == row.route) for k in after}
 
 
-def test_every_row_is_driven_both_ways():
+def test_every_route_is_driven_both_ways():
     taken, inactive = set(), set()
     for name in SCENARIOS:
         decoder, _, row = _run(name)

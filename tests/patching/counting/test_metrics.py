@@ -1,7 +1,7 @@
 """The shim's counters as Prometheus series (docs/metrics-operators.md): what is counted, the names,
 and how they reach prometheus_client's multiprocess files or an in-process registry.
 
-vLLM's own /metrics app is driven in tests/real/test_metrics_real.py; here fake vLLM trees
+vLLM's own /metrics app is driven in tests/patching/counting/test_metrics_real.py; here fake vLLM trees
 and prometheus_client itself (a test dependency of the unit session, never of the package)."""
 
 from __future__ import annotations

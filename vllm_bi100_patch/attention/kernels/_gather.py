@@ -1,11 +1,11 @@
-"""Gathering K/V tiles from the paged caches (layouts in ``_common``).
+"""Gathering K/V tiles from the paged caches (layouts in ``cache``).
 
 Tiles are kv-head-major, ``[num_kv_heads, num_seqs, tokens, head_size]``, so that the
 matrix products batch over ``(kv head, sequence)`` without another copy.  ``ids`` holds
 ``num_seqs * blocks`` physical block ids, sequence-major; ``dtype`` is the work dtype
-(``_common.work_dtype``): float32, or the query's dtype (fp8 caches are dequantised to it).
+(``compute.work_dtype``): float32, or the query's dtype (fp8 caches are dequantised to it).
 
-Two layouts (``_common.fast_layout``):
+Two layouts (``compute.fast_layout``):
 
 - CPU: one contiguous ``index_select`` of whole blocks, then the ``[head_size // x,
   block_size]`` key planes are transposed as 16-byte units (each ``x`` group is exactly 16
@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from ._common import CacheSpec, fast_layout, to_float
+from .cache import CacheSpec, to_float
+from .compute import fast_layout
 
 __all__ = ["gather_keys", "gather_token_keys", "gather_token_values", "gather_values",
            "gather_values_blocks"]

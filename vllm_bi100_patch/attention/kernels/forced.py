@@ -1,8 +1,8 @@
 """The kernels' formulation overrides: one context manager, ``forced``, and its state.
 
 By default the kernels choose their formulation from the device and the call: the compute
-mode (``_common.compute_mode``: ``"fp32"`` on CPU, ``"native"`` elsewhere), the tile layout
-(``_common.fast_layout``: ``"fast"`` on CPU, ``"generic"`` elsewhere) and the prompt path of
+mode (``compute.compute_mode``: ``"fp32"`` on CPU, ``"native"`` elsewhere), the tile layout
+(``compute.fast_layout``: ``"fast"`` on CPU, ``"generic"`` elsewhere) and the prompt path of
 each query row (``prefill._attend``: SDPA where allowed and within the budget, else
 ``"tiled"``).  Tests, the selftest and the benchmarks run a device's formulation on another
 device by forcing them::

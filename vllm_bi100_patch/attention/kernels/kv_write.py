@@ -4,7 +4,7 @@ vLLM's ``reshape_and_cache`` with ``kv_cache_dtype`` ``"fp8"``/``"fp8_e4m3"`` (e
 ``"fp8_e5m2"`` stores each element as the fp8 bits of ``float32(x) / scale``, rounded to
 nearest and saturated to the largest finite fp8 value (CUDA's ``__nv_cvt_float_to_fp8(x /
 scale, __NV_SATFINITE, ...)`` in ``csrc/quantization/fp8/nvidia/quant_utils.cuh``), in caches
-of ``uint8`` laid out as vLLM's (``_common``); tokens whose slot is negative (padding) are not
+of ``uint8`` laid out as vLLM's (``cache``); tokens whose slot is negative (padding) are not
 written.  ``write_fp8`` does the same, so the bytes are vLLM's and the shim's decode and
 prefix kernels read them back with the same scales.  Inputs are never written; the caches are
 written only at the given slots.  Never imports vLLM.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import ScaleLike, check_int_tensor, fp8_dtype, scale_factor
+from .cache import ScaleLike, check_int_tensor, fp8_dtype, scale_factor
 
 __all__ = ["FP8_CACHE_DTYPES", "quantize_fp8", "write_fp8"]
 

@@ -9,7 +9,7 @@ Between the patch layer (``attention/paged_attention.py``, which turns vLLM's ar
   calling convention;
 - ``limits.py``: the routing parameters, V1's length limit and the BI-V100 occupancy rule;
 - ``routes.py``: ``RouteTable`` (one per ops profile and routing): the facts of a call, the
-  route rows and kernel rules, the choice, why a kernel cannot take a call, ``describe()``;
+  route entries and kernel rules, the choice, why a kernel cannot take a call, ``describe()``;
 - ``longest.py``: the longest sequence of a call without syncs that matter, and the check that
   ``max_seq_len`` bounds it;
 - ``decoder.py``: ``NativeDecoder`` (one per ops module and routing): the ops object, the route

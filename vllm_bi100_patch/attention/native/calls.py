@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels._common import as_count
+from ..kernels.cache import as_count
 
 __all__ = ["CONVENTIONS", "Convention", "DecodeCall", "check_head_mapping", "check_shapes"]
 

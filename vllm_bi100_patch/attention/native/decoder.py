@@ -56,11 +56,11 @@ class CallFacts(Protocol):
     blocksparse: bool
 
     def reason(self) -> str:
-        """Why the chosen row falls back."""
+        """Why the chosen route falls back."""
 
     def reason_name(self) -> str:
-        """The name of why the call took its route (metrics, issue 23): the chosen row's name,
-        or for the row where no kernel is usable, the kernel rule that excluded one."""
+        """The name of why the call took its route (metrics, issue 23): the chosen route's name,
+        or for the route where no kernel is usable, the kernel rule that excluded one."""
 
 
 class RouteSource(Protocol):

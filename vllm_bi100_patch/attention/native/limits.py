@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from ..kernels._common import ceil_div
+from ..kernels.cache import ceil_div
 
 __all__ = ["ILUVATAR_V1_MAX_SEQ_LEN", "NATIVE_HEAD_SIZES", "Routing", "STOCK_V1_MAX_SEQ_LEN",
            "use_v1", "v1_limit"]

@@ -3,7 +3,7 @@ applies them (``RouteTable``, one per ops profile and routing).
 
 ``RouteTable`` owns everything the choice of a route needs: the facts of a call (``Facts``:
 head size, fp8, blocksparse, which kernels are usable, the occupancy rule, the longest
-sequence), the rows that can apply with this profile and routing, the kernel rules, the choice
+sequence), the entries that can apply with this profile and routing, the kernel rules, the choice
 (``route``), why a kernel cannot take a call (``why_not``) and ``describe()`` (what ``doctor``
 and ``status`` print), so an operator is never told a route the server does not take.  The
 decoder (``decoder.py``) asks it for a route and calls the kernel; this module never sees the
@@ -14,8 +14,8 @@ Two declarative tables:
 - ``KERNEL_RULES``: when a present kernel cannot take a call (fp8 cache without scales,
   blocksparse without its parameters, V1 above its length limit, V2 with a block size that
   does not divide the partition size);
-- ``ROUTES``: ordered rows of (condition, route, reason); the first row whose condition holds
-  gives the route.  Each row also says, from what the table knows before any call (the
+- ``ROUTES``: ordered entries of (condition, route, reason); the first entry whose condition
+  holds gives the route.  Each entry also says, from what the table knows before any call (the
   probe and the routing settings), whether it can ever apply and in which words (``band``;
   None: never).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ..kernels._common import ceil_div
+from ..kernels.cache import ceil_div
 from .calls import DecodeCall
 from .limits import (ILUVATAR_V1_MAX_SEQ_LEN, NATIVE_HEAD_SIZES, STOCK_V1_MAX_SEQ_LEN, Routing,
                      use_v1, v1_limit)
@@ -74,7 +74,7 @@ KERNEL_RULES: Tuple[KernelRule, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """One row: ``when`` (does it apply to this call), ``route``, ``reason`` (why, for a
+    """One entry of the route table: ``when`` (does it apply to this call), ``route``, ``reason`` (why, for a
     fallback), ``band`` (whether it can ever apply with this table, and in which words)."""
 
     name: str
@@ -143,14 +143,14 @@ ROUTES: Tuple[Route, ...] = (
           "neither kernel usable for the call: pure-PyTorch decode", _unusable),
 )
 
-#: The rows that choose between the kernels by length: listed first by ``describe``.
+#: The entries that choose between the kernels by length: listed first by ``describe``.
 LENGTH_ROUTES = ("occupancy_v1", "occupancy_v2", "v1", "v2", "none_usable")
 
 
 class Facts:
-    """What the route rows ask about one call (computed on demand, at most once)."""
+    """What the route table's entries ask about one call (computed on demand, at most once)."""
 
-    __slots__ = ("table", "call", "known_longest", "head_size", "fp8", "blocksparse", "row",
+    __slots__ = ("table", "call", "known_longest", "head_size", "fp8", "blocksparse", "chosen",
                  "_usable")
     table: "RouteTable"
     call: DecodeCall
@@ -159,7 +159,7 @@ class Facts:
     head_size: int
     fp8: bool
     blocksparse: bool
-    row: Optional["Route"]  # the row chosen on these facts (``RouteTable.route``)
+    chosen: Optional["Route"]  # the entry chosen on these facts (``RouteTable.route``)
 
     def __init__(self, table: "RouteTable", call: DecodeCall,
                  known_longest: Optional[int] = None) -> None:
@@ -167,21 +167,21 @@ class Facts:
         self.head_size = int(call.query.shape[2])
         self.fp8 = call.kv_cache_dtype not in ("auto", None)
         self.blocksparse = call.is_blocksparse
-        self.row = None
+        self.chosen = None
         self._usable: Dict[str, bool] = {}
 
     def reason(self) -> str:
-        """Why the chosen row falls back (empty for a native row)."""
-        return self.row.reason(self.table, self) if self.row is not None else ""
+        """Why the chosen entry falls back (empty for a native route)."""
+        return self.chosen.reason(self.table, self) if self.chosen is not None else ""
 
     def reason_name(self) -> str:
-        """Why the call took its route, as the metrics' ``reason`` (issue 23): the row's name;
+        """Why the call took its route, as the metrics' ``reason`` (issue 23): the entry's name;
         for ``none_usable``, the rule that excluded the first present kernel (V1 first), or
         ``"kernel_absent"``."""
-        row, profile = self.row, self.table.profile
-        assert row is not None
-        if row.name != "none_usable" or profile is None:
-            return row.name
+        chosen, profile = self.chosen, self.table.profile
+        assert chosen is not None
+        if chosen.name != "none_usable" or profile is None:
+            return chosen.name
         for kernel in (profile.v1, profile.v2):
             if kernel.present:
                 rule = self.table.excluded_by(kernel, self)
@@ -209,7 +209,7 @@ class Facts:
 
 
 class RouteTable:
-    """The routes of one ops profile (None: no native ops) under one routing: which rows can
+    """The routes of one ops profile (None: no native ops) under one routing: which entries can
     apply, the route of a call, why a kernel cannot take it, and ``describe()``."""
 
     profile: Optional[OpsProfile]
@@ -220,7 +220,7 @@ class RouteTable:
         self._routing: Optional[Routing] = routing if isinstance(routing, Routing) else None
         self._make_routing = routing
         self._limit: Optional[int] = None
-        self._rows: Optional[List[Tuple[Route, str]]] = None
+        self._applicable: Optional[List[Tuple[Route, str]]] = None
         self._rules: Dict[str, List[KernelRule]] = {}
 
     @property
@@ -239,19 +239,19 @@ class RouteTable:
             self._limit = v1_limit(self.routing, self.profile.build if self.profile else "stock")
         return self._limit
 
-    def rows(self) -> List[Tuple[Route, str]]:
-        """The rows that can apply here, with their bands (recomputed when a kernel turns
+    def applicable(self) -> List[Tuple[Route, str]]:
+        """The entries that can apply here, with their bands (recomputed when a kernel turns
         out to be absent)."""
-        if self._rows is None:
-            self._rows = [(row, band) for row in ROUTES for band in [row.band(self)]
-                          if band is not None]
+        if self._applicable is None:
+            self._applicable = [(entry, band) for entry in ROUTES for band in [entry.band(self)]
+                                if band is not None]
             if self.profile is not None:
                 self._rules = {k.name: [r for r in KERNEL_RULES if r.applies(self, k)]
                                for k in (self.profile.v1, self.profile.v2)}
-        return self._rows
+        return self._applicable
 
     def excluded_by(self, kernel: KernelProfile, facts: Facts) -> Optional[KernelRule]:
-        self.rows()
+        self.applicable()
         for rule in self._rules.get(kernel.name, ()):
             if rule.excludes(self, facts):
                 return rule
@@ -264,25 +264,25 @@ class RouteTable:
         return rule.band(self, kernel) if rule is not None else "usable"
 
     def choose(self, facts: Facts) -> Route:
-        for row, _ in self.rows():
-            if row.when(self, facts):
-                return row
-        raise AssertionError("the route table has no row for this call")  # pragma: no cover
+        for entry, _ in self.applicable():
+            if entry.when(self, facts):
+                return entry
+        raise AssertionError("the route table has no entry for this call")  # pragma: no cover
 
     def route(self, call: DecodeCall) -> Tuple[str, Optional[KernelProfile], Facts]:
         """The route ``call`` takes, its kernel (None: the pure-PyTorch decode), and the
-        facts it was chosen on (``facts.row``: the row).
+        facts it was chosen on (``facts.chosen``: the table's entry).
 
         Raises:
             ValueError: ``max_seq_len`` below a sequence length known without a sync
                 (``longest.verify_bound``).
         """
         facts = Facts(self, call, verify_bound(call.seq_lens, call.max_seq_len))
-        row = facts.row = self.choose(facts)
-        if row.route == "fallback":
-            return row.route, None, facts
+        chosen = facts.chosen = self.choose(facts)
+        if chosen.route == "fallback":
+            return chosen.route, None, facts
         assert self.profile is not None
-        return row.route, self.profile.v1 if row.route == "native_v1" else self.profile.v2, facts
+        return chosen.route, self.profile.v1 if chosen.route == "native_v1" else self.profile.v2, facts
 
     def partitions(self, max_seq_len: int) -> int:
         """V2's partitions for a sequence bound of ``max_seq_len``."""
@@ -290,16 +290,16 @@ class RouteTable:
 
     def drop(self, kernel: KernelProfile, reason: str) -> None:
         """``kernel`` raised NotImplementedError when called: absent for the rest of the
-        process (the rows are read again without it)."""
+        process (the entries are read again without it)."""
         assert self.profile is not None
         self.profile.mark_absent(kernel, reason)
-        self._rows = None
+        self._applicable = None
 
     def describe(self) -> Dict[str, Any]:
-        """The probe and the route each case takes (``status``/``doctor``): the length rows
+        """The probe and the route each case takes (``status``/``doctor``): the length entries
         first, then the cases that override them, then what each kernel cannot take."""
-        bands = [b for r, b in self.rows() if r.name in LENGTH_ROUTES]
-        bands += [b for r, b in self.rows() if r.name not in LENGTH_ROUTES]
+        bands = [b for r, b in self.applicable() if r.name in LENGTH_ROUTES]
+        bands += [b for r, b in self.applicable() if r.name not in LENGTH_ROUTES]
         if self.profile is None:
             return {"native_ops": None, "v1_limit": None, "bands": bands}
         if self.routing.fallback_above != 0:

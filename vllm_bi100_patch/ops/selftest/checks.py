@@ -20,12 +20,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ...attention.kernels import _common, decode, paged_decode, paged_prefix
+from ...attention.kernels import decode, paged_decode, paged_prefix
+from ...attention.kernels.cache import check_cache
+from ...attention.kernels.compute import compute_mode, fast_layout
 from ...attention.kernels.forced import forced, forcing
 from ...attention.kernels.prefill import prefix
 from .magnitudes import (MAGNITUDES, decode_from, dense_last_rows,  # noqa: F401 (re-exported)
                          large_magnitude_errors, magnitude_case)
-from .precision import DIFFUSE_ROWS, MAX_RATIO, ROWS, precision_rows
+from .precision import DIFFUSE_LOGITS, LOGITS, MAX_RATIO, precision_results
 from .reference import (TOLERANCE, cpu_half_gemm, decode_inputs, fp8_available, make_cache,
                         make_tables, prefix_inputs, ref_decode, ref_prefix, rel_error)
 from .slicing import chunked, dense_rows, hit, prefix_rows, prompt, same_rows
@@ -41,7 +43,7 @@ QUICK = False
 #: The long context of ``check_logit_precision``'s diffuse rows (``--quick``: the shorter).
 LONG_CONTEXT, LONG_CONTEXT_QUICK = 131072, 16384
 #: The rows of the last ``check_logit_precision`` (``selftest``'s ``precision`` section).
-PRECISION_ROWS: List[Dict[str, Any]] = []
+PRECISION_RESULTS: List[Dict[str, Any]] = []
 
 
 class Skip(Exception):
@@ -86,9 +88,9 @@ def check_formulation(device: torch.device) -> None:
     in float32 on CPU otherwise: the formulation the other checks' tolerances are for."""
     compute = forcing().compute
     want = "fp32" if device.type == "cpu" and compute is None else (compute or "native")
-    assert _common.compute_mode(device) == want, (_common.compute_mode(device), want)
+    assert compute_mode(device) == want, (compute_mode(device), want)
     if device.type != "cpu":
-        assert not _common.fast_layout(device)
+        assert not fast_layout(device)
         assert not prefix.sdpa_path_ok(torch.bfloat16, device)
 
 
@@ -160,20 +162,20 @@ def check_logit_precision(device: torch.device) -> None:
     if not halves:
         raise Skip("no half-precision dtype to check")
     heads, kv, head_size = SHAPE
-    diffuse = (DIFFUSE_ROWS[1], DIFFUSE_ROWS[3]) if QUICK else DIFFUSE_ROWS
+    diffuse = (DIFFUSE_LOGITS[1], DIFFUSE_LOGITS[3]) if QUICK else DIFFUSE_LOGITS
     long_ctx = LONG_CONTEXT_QUICK if QUICK else LONG_CONTEXT
     with forced(path="tiled") if device.type == "cpu" else forced():  # what a card runs
-        rows = precision_rows(device, halves, ("decode", "prefix", "dense"), ROWS + diffuse,
-                              variants=("plain",) if QUICK else ("plain", "groups"),
-                              heads=heads, kv_heads=kv, head_size=head_size)
-        long_rows = precision_rows(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
-                                   heads=heads, kv_heads=kv, head_size=head_size)
-    for r in long_rows:
+        results = precision_results(device, halves, ("decode", "prefix", "dense"), LOGITS + diffuse,
+                                    variants=("plain",) if QUICK else ("plain", "groups"),
+                                    heads=heads, kv_heads=kv, head_size=head_size)
+        long_results = precision_results(device, halves, ("prefix",), diffuse, ctx=long_ctx, new=8,
+                                         heads=heads, kv_heads=kv, head_size=head_size)
+    for r in long_results:
         r["variant"] = f"ctx {long_ctx}"
-    rows += long_rows
-    PRECISION_ROWS[:] = rows
+    results += long_results
+    PRECISION_RESULTS[:] = results
     worse = [(r["kernel"], r["variant"], r["dtype"], r["row"], round(r["ratio"], 2))
-             for r in rows if not r["ratio"] <= MAX_RATIO]
+             for r in results if not r["ratio"] <= MAX_RATIO]
     assert not worse, f"median error above {MAX_RATIO}x the float32-score reference: {worse}"
 
 
@@ -272,7 +274,7 @@ def check_decode_batch_invariance(device: torch.device) -> None:
     heads = SHAPE[0]
     for dtype in _dtypes(device):
         q, kc, vc, bt, sl = _invariance_case(dtype, [3000, 9000, 100, 0, 800])
-        spec = _common.check_cache(kc, vc, dtype, "auto")
+        spec = check_cache(kc, vc, dtype, "auto")
         small = (decode.minimum_working_set(q.to(device), spec, 9008) >> 20) + 1
         slopes = torch.linspace(0.01, 0.2, heads)
         for target, n in ((0, 3000), (4, 800)):

@@ -213,7 +213,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
                                    [dtype] if a.quick else None,
                                    (shape.heads, shape.kv_heads, shape.head_size),
                                    a.quick):
-        checks.PRECISION_ROWS.clear()
+        checks.PRECISION_RESULTS.clear()
         peak = [0]
         every = list(checks.CHECKS) + native.native_checks(v1, dtype, shape.head_size)
         wanted = set(a.check or [])
@@ -225,7 +225,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
         for fn in chosen:
             progress(f"check {fn.__name__} ...")
             out["checks"].append(_run_check(fn, device))
-        out["precision"] = list(checks.PRECISION_ROWS)
+        out["precision"] = list(checks.PRECISION_RESULTS)
         deadline = start + (a.time_limit or (90.0 if a.quick else 300.0)) * 0.85
         p = timing.Plan(lengths, contexts, a.chunk_size, a.repeats or (3 if a.quick else 10),
                         budget, limit, deadline)
@@ -234,7 +234,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
             torch.cuda.empty_cache()
         out["timings"] = rec.run(v1)
         out["not_run"] = rec.skipped
-        peak[0] = int(max([r.get("peak_mib", 0) for r in rec.rows] or [0]) * MiB)
+        peak[0] = int(max([r.get("peak_mib", 0) for r in rec.timings] or [0]) * MiB)
     if device.type == "cuda" and (not wanted or "check_memory_within_limit" in wanted):
         ok = peak[0] <= limit
         out["checks"].append({"name": "check_memory_within_limit", "ok": ok, "seconds": 0.0,
@@ -243,15 +243,15 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> Tuple[int, Di
     if v1 is not None:
         out["native"]["calls_max_seq_len"] = max(v1.calls, default=None)
     out["native"]["prefix_prefill"] = _prefix_prefill_state()
-    rows = out["timings"]
+    timings = out["timings"]
     v1_limit = v1.limit if v1 is not None else None
-    out["projection"] = plan.projection(rows, shape.layers, lengths + [shape.max_len],
+    out["projection"] = plan.projection(timings, shape.layers, lengths + [shape.max_len],
                                         v1_limit, settings.decode_fallback_above)
-    out["prefill"] = plan.prefill(rows, shape.layers, shape.max_len, a.chunk_size)
-    out["crossover"] = plan.crossover(rows)
-    out["calibration"] = dict(plan.calibration(rows), model=_model_note(rows),
+    out["prefill"] = plan.prefill(timings, shape.layers, shape.max_len, a.chunk_size)
+    out["crossover"] = plan.crossover(timings)
+    out["calibration"] = dict(plan.calibration(timings), model=_model_note(timings),
                               fitted_model=_fitted_note())
-    out["recommendations"] = plan.recommendations(rows, out["prefill"], v1_limit, budget,
+    out["recommendations"] = plan.recommendations(timings, out["prefill"], v1_limit, budget,
                                                   settings.decode_fallback_above)
     out["ok"] = all(c["ok"] is not False for c in out["checks"])
     out["elapsed_s"] = time.monotonic() - start
@@ -268,13 +268,13 @@ def _prefix_prefill_state() -> str:
     return "substitute" if import_guard.is_substitute(module) else "real (imported, never called)"
 
 
-def _model_note(rows: Sequence[Dict[str, Any]]) -> str:
-    """The account's BI-V100 model (a model, not a measurement) next to the measured rows."""
+def _model_note(timings: Sequence[Dict[str, Any]]) -> str:
+    """The account's BI-V100 model (a model, not a measurement) next to the measured timings."""
     from .account import DEVICES
 
     m = DEVICES["bi-v100"]
     ratios = [r["ms"] / (1e3 * (r["launches"] * m.launch_s + r["bytes"] / m.bandwidth))
-              for r in rows if r.get("account") == "counted" and r.get("bytes")]
+              for r in timings if r.get("account") == "counted" and r.get("bytes")]
     if not ratios:
         return "no counted rows"
     ratios.sort()

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from ...attention.kernels import _common, paged_decode, paged_prefix
+from ...attention.kernels import paged_decode, paged_prefix
+from ...attention.kernels.compute import compute_mode
 from ...attention.kernels.prefill import dense
 from ...attention.kernels.forced import forced
 from .reference import TOLERANCE, ref_prefix, rel_error
@@ -78,7 +79,7 @@ def large_magnitude_errors(device: torch.device, dtype: torch.dtype) -> list:
     """``MAGNITUDES`` for one dtype: the cases whose error against the float64 reference
     exceeds ``TOLERANCE`` (decode, the tiled prefix and, on CPU, the SDPA prefix path)."""
     failures = []
-    bound = TOLERANCE[(_common.compute_mode(device), dtype)]
+    bound = TOLERANCE[(compute_mode(device), dtype)]
     scale = 128 ** -0.5
     for ctx, new, qv, kv, vv, const in MAGNITUDES:
         case = magnitude_case(dtype, ctx, new, qv, kv, vv, constant=const)

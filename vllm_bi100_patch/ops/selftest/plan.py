@@ -1,10 +1,10 @@
-"""From timings to what an operator sets: pure functions of the timing rows (no torch, no
+"""From timings to what an operator sets: pure functions of the timings (no torch, no
 device), so each can be tested with synthetic timings.
 
 - ``crossover``: the measured length from which the pure-PyTorch decode is at least as fast
   as native V1 at every longer measured length (None: V1 is faster wherever both ran);
-- ``calibration``: the effective bandwidth and host cost per launch the rows imply
-  (least squares ``ms = launches * t_launch + bytes / bandwidth`` over the counted rows);
+- ``calibration``: the effective bandwidth and host cost per launch the timings imply
+  (least squares ``ms = launches * t_launch + bytes / bandwidth`` over the counted timings);
 - ``projection``: per context length, the attention time per generated token of the whole
   model (layers x the per-layer time of the route the shim takes) and the decode tokens/s it
   bounds; ``prefill``: per chunk, the attention time of one engine step and the engine
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 __all__ = ["calibration", "crossover", "linear_fit", "prefill", "projection",
            "recommendations", "ENGINE_TIMEOUT_DEFAULT_S", "TIMEOUT_MARGIN"]
 
-Row = Dict[str, Any]
+Record = Dict[str, Any]
 
 #: vLLM's default ``VLLM_ENGINE_ITERATION_TIMEOUT_S``.
 ENGINE_TIMEOUT_DEFAULT_S = 60
@@ -29,19 +29,19 @@ ENGINE_TIMEOUT_DEFAULT_S = 60
 TIMEOUT_MARGIN = 4
 
 
-def _decode(rows: Sequence[Row], route: str) -> Dict[int, float]:
-    return {int(r["tokens"]): float(r["ms"]) for r in rows
+def _decode(timings: Sequence[Record], route: str) -> Dict[int, float]:
+    return {int(r["tokens"]): float(r["ms"]) for r in timings
             if r["kernel"] == "decode" and r["route"] == route}
 
 
-def crossover(rows: Sequence[Row]) -> Optional[Dict[str, Any]]:
-    """Where native V1 should give way to the fallback, from the decode rows measured on
+def crossover(timings: Sequence[Record]) -> Optional[Dict[str, Any]]:
+    """Where native V1 should give way to the fallback, from the decode timings measured on
     both routes: ``{"first_fallback": n, "last_v1": m or None, "estimate": e}`` with ``n``
     the shortest measured length from which the fallback is at least as fast at every longer
     length measured on both, ``m`` the measured length before it (V1 faster there) and ``e``
     the length where the two lines cross between them (linear interpolation); None when V1 is
     faster at the longest length measured on both (or nothing was measured on both)."""
-    v1, fb = _decode(rows, "native_v1"), _decode(rows, "fallback")
+    v1, fb = _decode(timings, "native_v1"), _decode(timings, "fallback")
     both = sorted(set(v1) & set(fb))
     first = None
     for n in reversed(both):
@@ -73,12 +73,12 @@ def linear_fit(points: Sequence[Tuple[float, float]]) -> Optional[Tuple[float, f
     return my - b * mx, b
 
 
-def calibration(rows: Sequence[Row]) -> Dict[str, Any]:
-    """What the counted rows (the pure-PyTorch kernels) imply about the device: the median
+def calibration(timings: Sequence[Record]) -> Dict[str, Any]:
+    """What the counted timings (the pure-PyTorch kernels) imply about the device: the median
     effective bandwidth (bytes / time), and the least-squares split of time into a cost per
-    launch and a bandwidth (None where the rows cannot separate them, or a term comes out
+    launch and a bandwidth (None where the timings cannot separate them, or a term comes out
     negative: noise, or the time is neither)."""
-    counted = [r for r in rows if r.get("account") == "counted" and r.get("bytes")]
+    counted = [r for r in timings if r.get("account") == "counted" and r.get("bytes")]
     out: Dict[str, Any] = {"rows": len(counted), "bandwidth_gb_per_s": None,
                            "launch_us": None, "effective_gb_per_s": None}
     if not counted:
@@ -133,12 +133,12 @@ def server_route(tokens: int, v1_limit: Optional[int], fallback_above: Optional[
     return "native_v1"
 
 
-def projection(rows: Sequence[Row], layers: int, lengths: Sequence[int],
+def projection(timings: Sequence[Record], layers: int, lengths: Sequence[int],
                v1_limit: Optional[int] = None,
-               fallback_above: Optional[int] = None) -> List[Row]:
+               fallback_above: Optional[int] = None) -> List[Record]:
     """Per length: the route the shim takes, the per-layer time, ``token_ms`` (layers x
     it: attention only) and the ``tokens_per_s`` bound of one sequence decoding alone."""
-    routes = {"fallback": _decode(rows, "fallback"), "native_v1": _decode(rows, "native_v1")}
+    routes = {"fallback": _decode(timings, "fallback"), "native_v1": _decode(timings, "native_v1")}
     out = []
     for n in sorted(set(lengths)):
         route = server_route(n, v1_limit if routes["native_v1"] else None, fallback_above)
@@ -152,10 +152,10 @@ def projection(rows: Sequence[Row], layers: int, lengths: Sequence[int],
     return out
 
 
-def prefill(rows: Sequence[Row], layers: int, max_len: int, chunk: int) -> List[Row]:
+def prefill(timings: Sequence[Record], layers: int, max_len: int, chunk: int) -> List[Record]:
     """Per measured chunk, and for the last chunk of a ``max_len`` prompt: the attention
     time of one engine step (layers x the chunk's time)."""
-    measured = {int(r["context"]): float(r["ms"]) for r in rows if r["kernel"] == "prefix"}
+    measured = {int(r["context"]): float(r["ms"]) for r in timings if r["kernel"] == "prefix"}
     contexts = sorted(set(measured) | ({max(0, max_len - chunk)} if measured else set()))
     out = []
     for c in contexts:
@@ -166,12 +166,12 @@ def prefill(rows: Sequence[Row], layers: int, max_len: int, chunk: int) -> List[
     return out
 
 
-def recommendations(rows: Sequence[Row], steps: Sequence[Row], v1_limit: Optional[int],
-                    budget_mb: int, fallback_above: Optional[int] = None) -> List[Row]:
+def recommendations(timings: Sequence[Record], steps: Sequence[Record], v1_limit: Optional[int],
+                    budget_mb: int, fallback_above: Optional[int] = None) -> List[Record]:
     """What to set, each with why: the decode route (from ``crossover``), the kernels'
     working set, the engine iteration time-out (from the longest ``prefill`` step)."""
-    out: List[Row] = []
-    cross = crossover(rows)
+    out: List[Record] = []
+    cross = crossover(timings)
     if v1_limit is None:
         out.append({"setting": "VLLM_BI100_DECODE_FALLBACK_ABOVE", "value": None,
                     "why": "no native V1 measured here: every decode takes the pure-PyTorch "

@@ -13,7 +13,7 @@ every query.  The error of a kernel's output is the median, over its elements, o
 half dtype, float32 ``P.V``, the output rounded to the half dtype (vLLM's
 ``paged_attention_v1`` kernel, ``csrc/attention/attention_kernels.cu``: float ``qk`` and
 ``logits``, ``from_float`` of the normalised logits before the value dot products, float
-accumulators).  ``precision_rows`` measures decode, the prefix (both key-group layouts) and
+accumulators).  ``precision_results`` measures decode, the prefix (both key-group layouts) and
 the dense kernel; ``check_logit_precision`` (``vllm-bi100-patch selftest``) requires every
 ratio at most ``MAX_RATIO``.  Needs torch only.
 """
@@ -28,21 +28,21 @@ import torch
 from ...attention.kernels import paged_decode, paged_prefix
 from ...attention.kernels.prefill import dense
 
-__all__ = ["ALL_ROWS", "DIFFUSE_ROWS", "MAX_RATIO", "ROWS", "float32_score_reference", "logit_case",
-           "median_rel_error", "precision_rows"]
+__all__ = ["ALL_LOGITS", "DIFFUSE_LOGITS", "LOGITS", "MAX_RATIO", "float32_score_reference", "logit_case",
+           "median_rel_error", "precision_results"]
 
 #: The rows of issue 34's table: logit standard deviations and sink heights.
-ROWS: Tuple[Tuple[str, float], ...] = (
+LOGITS: Tuple[Tuple[str, float], ...] = (
     ("sigma", 1.0), ("sigma", 5.0), ("sigma", 10.0), ("sigma", 30.0),
     ("sink", 10.0), ("sink", 50.0), ("sink", 100.0), ("sink", 200.0))
 #: Issue 41's rows besides: ``sigma`` 0.5, a sink of 1,000 and the *diffuse* rows, a bulk of
 #: keys whose logits have standard deviation 0.1 (``diffuse0.1``) or 0.3 (``diffuse0.3``)
 #: and one key 3, 4.5 or 7 above them (the bulk together carries most of the weight).
-DIFFUSE_ROWS: Tuple[Tuple[str, float], ...] = (
+DIFFUSE_LOGITS: Tuple[Tuple[str, float], ...] = (
     ("diffuse0.1", 3.0), ("diffuse0.1", 4.5), ("diffuse0.1", 7.0),
     ("diffuse0.3", 3.0), ("diffuse0.3", 4.5), ("diffuse0.3", 7.0))
-ALL_ROWS: Tuple[Tuple[str, float], ...] = (
-    (("sigma", 0.5),) + ROWS[:4] + ROWS[4:] + (("sink", 1000.0),) + DIFFUSE_ROWS)
+ALL_LOGITS: Tuple[Tuple[str, float], ...] = (
+    (("sigma", 0.5),) + LOGITS[:4] + LOGITS[4:] + (("sink", 1000.0),) + DIFFUSE_LOGITS)
 #: A kernel's median error may be at most this many times the float32-score reference's.
 MAX_RATIO = 2.0
 #: Positions of the sink keys.
@@ -177,12 +177,12 @@ def _run(kernel: str, case: List[torch.Tensor], alibi: Optional[torch.Tensor],
     raise ValueError(kernel)
 
 
-def precision_rows(device: torch.device, dtypes: Sequence[torch.dtype],
-                   kernels: Sequence[str] = ("decode", "prefix", "dense"),
-                   rows: Sequence[Tuple[str, float]] = ROWS, *, decode_len: int = 4096,
-                   ctx: int = 512, new: int = 256, heads: int = 4, kv_heads: int = 1,
-                   head_size: int = 128, variants: Sequence[str] = ("plain",),
-                   seed: int = 0, dense_last: int = 0) -> List[Dict[str, Any]]:
+def precision_results(device: torch.device, dtypes: Sequence[torch.dtype],
+                      kernels: Sequence[str] = ("decode", "prefix", "dense"),
+                      logits: Sequence[Tuple[str, float]] = LOGITS, *, decode_len: int = 4096,
+                      ctx: int = 512, new: int = 256, heads: int = 4, kv_heads: int = 1,
+                      head_size: int = 128, variants: Sequence[str] = ("plain",),
+                      seed: int = 0, dense_last: int = 0) -> List[Dict[str, Any]]:
     """Each kernel's median error on each row, beside the float32-score reference's.
 
     ``variants`` of the prefix and dense kernels: ``plain``, ``alibi`` (slopes ``2**-2``,
@@ -194,16 +194,16 @@ def precision_rows(device: torch.device, dtypes: Sequence[torch.dtype],
     ``error``, ``reference``, ``ratio``."""
     out: List[Dict[str, Any]] = []
     for dtype in dtypes:
-        for kind, size in rows:
+        for kind, size in logits:
             for kernel in kernels:
                 for variant in (("plain",) if kernel == "decode" else variants):
-                    out.append(_row(device, dtype, kind, size, kernel, variant, decode_len,
-                                    ctx, new, heads, kv_heads, head_size, seed, dense_last))
+                    out.append(_result(device, dtype, kind, size, kernel, variant, decode_len,
+                                       ctx, new, heads, kv_heads, head_size, seed, dense_last))
     return out
 
 
-def _row(device, dtype, kind, size, kernel, variant, decode_len, ctx, new, heads, kv_heads,
-         head_size, seed, dense_last=0) -> Dict[str, Any]:
+def _result(device, dtype, kind, size, kernel, variant, decode_len, ctx, new, heads, kv_heads,
+            head_size, seed, dense_last=0) -> Dict[str, Any]:
     alibi = window = None
     budget_mb = 256
     if variant == "alibi":

@@ -141,12 +141,12 @@ def _account(fn: Callable[[], Any]) -> Dict[str, Any]:
 
 
 class Recorder:
-    """Runs the plan's cases one by one (``decode``, ``prefix``) and keeps their rows."""
+    """Runs the plan's cases one by one (``decode``, ``prefix``) and keeps their timings."""
 
     def __init__(self, shape: Shape, device: torch.device, plan: Plan,
                  progress: Callable[[str], None]) -> None:
         self.shape, self.device, self.plan, self.progress = shape, device, plan, progress
-        self.rows: List[Dict[str, Any]] = []
+        self.timings: List[Dict[str, Any]] = []
         self.skipped: List[Dict[str, Any]] = []
         self.scale = shape.head_size ** -0.5
 
@@ -163,21 +163,21 @@ class Recorder:
             self.progress(f"skip {kernel} {route} {tokens:,} tokens: {why}")
         return why is None
 
-    def _row(self, kernel: str, route: str, tokens: int, fn: Callable[[], Any],
-             account: Optional[Dict[str, Any]] = None, **extra: Any) -> None:
+    def _time(self, kernel: str, route: str, tokens: int, fn: Callable[[], Any],
+              account: Optional[Dict[str, Any]] = None, **extra: Any) -> None:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         ms = median_ms(fn, self.device, self.plan.repeats)
         acc = account if account is not None else _account(fn)
-        row: Dict[str, Any] = {"kernel": kernel, "route": route, "tokens": tokens, "ms": ms,
-                               **acc, "account": "minimal" if account is not None
-                               else "counted", **extra}
+        timing: Dict[str, Any] = {"kernel": kernel, "route": route, "tokens": tokens, "ms": ms,
+                                  **acc, "account": "minimal" if account is not None
+                                  else "counted", **extra}
         if acc.get("bytes"):
-            row["gb_per_s"] = acc["bytes"] / (ms * 1e-3) / 1e9  # type: ignore[operator]
+            timing["gb_per_s"] = acc["bytes"] / (ms * 1e-3) / 1e9  # type: ignore[operator]
         if cuda:
-            row["peak_mib"] = torch.cuda.max_memory_allocated(self.device) / MiB
-        self.rows.append(row)
+            timing["peak_mib"] = torch.cuda.max_memory_allocated(self.device) / MiB
+        self.timings.append(timing)
         self.progress(f"{kernel} {route} {tokens:,} tokens: {ms:.3f} ms")
 
     def decode(self, tokens: int, v1: Any = None) -> None:
@@ -186,13 +186,13 @@ class Recorder:
         if not self._fits("decode", "fallback", tokens):
             return
         q, kc, vc, bt, sl = decode_case(self.shape, tokens, self.device)
-        self._row("decode", "fallback", tokens, lambda: paged_decode(
+        self._time("decode", "fallback", tokens, lambda: paged_decode(
             q, kc, vc, bt, sl, self.scale, max_seq_len=tokens, budget_mb=self.plan.budget_mb))
         if v1 is not None and tokens <= v1.limit:
             minimal = {"launches": 1, "host_reads": 0, "projected_ms": None, "bytes": cache_bytes(
                 self.shape, tokens) + 2 * q.numel() * q.element_size()}
-            self._row("decode", "native_v1", tokens,
-                      lambda: v1.call(q, kc, vc, bt, sl, tokens, self.scale), minimal)
+            self._time("decode", "native_v1", tokens,
+                       lambda: v1.call(q, kc, vc, bt, sl, tokens, self.scale), minimal)
 
     def prefix(self, context: int) -> None:
         """The pure-PyTorch prefix over one chunk after ``context`` cached tokens."""
@@ -201,13 +201,13 @@ class Recorder:
         if not self._fits("prefix", "fallback", context + chunk, extra):
             return
         args = prefix_case(self.shape, context, chunk, self.device)
-        self._row("prefix", "fallback", context + chunk,
-                  lambda: paged_prefix(*args, scale=self.scale, budget_mb=self.plan.budget_mb),
-                  context=context, chunk=chunk)
+        self._time("prefix", "fallback", context + chunk,
+                   lambda: paged_prefix(*args, scale=self.scale, budget_mb=self.plan.budget_mb),
+                   context=context, chunk=chunk)
 
     def run(self, v1: Any = None) -> List[Dict[str, Any]]:
         for tokens in self.plan.decode_lengths:
             self.decode(tokens, v1)
         for context in self.plan.prefix_contexts:
             self.prefix(context)
-        return self.rows
+        return self.timings

@@ -10,7 +10,7 @@ kernels' numerics.
 
 How it is made importable:
 
-- on the CoreX 3.2.3 stand-in (``tests/corex/standin.py``) it is copied into site-packages,
+- on the CoreX 3.2.3 stand-in (``tests/harness/corex/standin.py``) it is copied into site-packages,
   like the fake ``ixformer`` (the vendor stack has xformers installed);
 - elsewhere a test puts ``tests/fakes/fake_xformers`` on ``sys.path`` / ``PYTHONPATH``.
 """

@@ -9,7 +9,7 @@ tile's partial result is kept, and the partials are merged in an order that depe
 the tiles' indices (``decode._tiles``): a sequence's output is bit-identical whatever else is
 in the call (batch mates, their lengths, padding columns, the order of sequences), since
 every matrix product and reduction has the tile's shape and tiles past a sequence's end add
-exact zeros.  Two paths (``_common.compute_mode``):
+exact zeros.  Two paths (``compute.compute_mode``):
 
 - devices (``"native"``, ``decode._device``): half-precision products with float32
   accumulation, every tile at once: a fixed number of launches per call (about 30-40, the
@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._common import (
+from ..cache import (
     CacheSpec,
     ScaleLike,
     as_count,
@@ -38,11 +38,9 @@ from .._common import (
     check_cache,
     check_heads,
     check_int_tensor,
-    compute_mode,
-    fast_layout,
     scale_factor,
-    work_dtype,
 )
+from ..compute import compute_mode, fast_layout, work_dtype
 from . import _cpu, _device
 from ._cpu import attend_cpu, plan_cpu
 from ._device import attend_device, plan_device

@@ -1,4 +1,4 @@
-"""Decode on CPUs (the float32 compute mode with the CPU tile layouts, ``_common``).
+"""Decode on CPUs (the float32 compute mode with the CPU tile layouts, ``compute.fast_layout``).
 
 The same absolute tiles, per-tile partials and merge tree as the device path
 (``decode._tiles``), in CPU terms: tiles of ``CPU_TILE_TOKENS`` (short, since waste past a
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._common import CacheSpec, ScaleLike, ceil_div
+from ..cache import CacheSpec, ScaleLike, ceil_div
 from ._tiles import Calls, TilePlan, finish, merge, plan_tiles
 from .._gather import gather_keys, gather_values_blocks
 

@@ -1,4 +1,4 @@
-"""Decode on devices (the GPU compute mode, ``_common.compute_mode == "native"``): a fixed
+"""Decode on devices (the GPU compute mode, ``compute.compute_mode == "native"``): a fixed
 number of launches, scores at float32 precision, and matrix products of one fixed shape.
 
 A GPU in eager mode pays host time for every op (CoreX forces eager mode), so the op sequence
@@ -18,7 +18,7 @@ call.  Steps:
    value is ever zeroed and no garbage slot is ever read; block ids are clamped into the
    cache (an empty sequence's table row may hold anything);
 2. the query over a power of two above its L1 norm, in the work dtype, for every pair
-   (``_common.bounded_query``: no product can overflow; the norm in float64, exact for
+   (``compute.bounded_query``: no product can overflow; the norm in float64, exact for
    float16 queries, so no summation order changes it);
 3. per chunk: keys gathered token by token into the chunk's buffer, ``s = q'.k`` (the half
    dtype, float32 accumulation) and, in a half dtype, ``r = q'.k - s``: ``baddbmm(s, q',
@@ -46,7 +46,8 @@ from typing import NamedTuple, Optional, Set
 import torch
 
 from ....activation.log import log
-from .._common import CacheSpec, ScaleLike, bounded_query, ceil_div
+from ..cache import CacheSpec, ScaleLike, ceil_div
+from ..compute import bounded_query
 from ._tiles import Calls, TilePlan, finish, merge
 from .._gather import gather_token_keys, gather_token_values
 

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .._common import ScaleLike, ceil_div
+from ..cache import ScaleLike, ceil_div
 from .._softmax import tree_sum
 
 __all__ = ["Calls", "TilePlan", "finish", "merge", "plan_tiles"]

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Set
 import torch
 
 from ....activation.log import log
-from .._common import compute_mode, work_dtype
+from ..compute import compute_mode, work_dtype
 from ._plan import (
     PrefixInputs,
     SeqSpan,

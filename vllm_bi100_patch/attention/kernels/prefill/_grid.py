@@ -17,7 +17,7 @@ from typing import Iterator, List, NamedTuple, Tuple
 
 import torch
 
-from .._common import ceil_div
+from ..cache import ceil_div
 from ._plan import Tiling
 
 __all__ = ["Layout", "Tile", "grid_rows", "segments", "waves"]

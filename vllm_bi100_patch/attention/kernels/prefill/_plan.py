@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .._common import CacheSpec, ScaleLike, ceil_div
+from ..cache import CacheSpec, ScaleLike, ceil_div
 
 __all__ = ["PrefixInputs", "SeqSpan", "Tiling", "minimum_working_set", "sdpa_max_end",
            "sdpa_path_ok", "wave_row_bytes",
@@ -228,7 +228,7 @@ def wave_row_bytes(heads: int, head_size: int, work_elem: int, top: int,
 
 
 def bytes_per_score(work: torch.dtype) -> int:
-    """Bytes per score of a tile's row buffers (``prefill._rows``): the score (the softmax
+    """Bytes per score of a tile's row buffers (``prefill._scores``): the score (the softmax
     writes the probability over it); in a half-precision work dtype its residual beside it,
     and in bfloat16 their float32 sum too."""
     return {torch.float32: 4, torch.float16: 4}.get(work, 8)

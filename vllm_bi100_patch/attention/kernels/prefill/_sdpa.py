@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .._common import CacheSpec, ScaleLike, ceil_div, to_float
+from ..cache import CacheSpec, ScaleLike, ceil_div, to_float
 from ._plan import SDPA_QUERY_TILE, PrefixInputs, SeqSpan
 from ._stage import new_tokens
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .._common import ceil_div, fp8_dtype
+from ..cache import ceil_div, fp8_dtype
 from .._gather import gather_keys, gather_values
 from ._plan import PrefixInputs, SeqSpan
 from ..kv_write import quantize_fp8

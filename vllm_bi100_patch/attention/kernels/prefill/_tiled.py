@@ -3,7 +3,7 @@ query tile, elementwise ops.
 
 This is the path every GPU takes (fused attention kernels are the BI-V100 hang class).  A
 query tile (``prefill._plan``: absolute positions, its size a function of the position)
-goes through the same calls in every slicing (``prefill._rows``: the products, in a
+goes through the same calls in every slicing (``prefill._scores``: the products, in a
 half-precision work dtype each with its residual, so that the weights carry float32 scores;
 the masks; the softmax in place; ``P.V`` against the staged values and their ones column: each row's
 weighted sum of its values and the sum of its rounded weights, the row their quotient).  A
@@ -29,10 +29,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ....activation.log import log
-from .._common import ceil_div
+from ..cache import ceil_div
 from ._grid import Layout, Tile, waves
 from ._plan import PrefixInputs, SeqSpan, Tiling, value_columns, wave_row_bytes
-from ._rows import ScoreRows
+from ._scores import ScoreOps
 from ._stage import stage_keys, stage_values
 
 __all__ = ["TiledRunner"]
@@ -46,7 +46,7 @@ class TiledRunner:
         self.kv, self.group, self.d = inp.kv_heads, inp.group, inp.head_size
         self.cols = value_columns(self.d, torch.empty((), dtype=til.work).element_size())
         self.device = inp.query.device
-        self.rows = ScoreRows(inp, til)
+        self.ops = ScoreOps(inp, til)
         self._bufs: Dict[str, torch.Tensor] = {}
         #: (sequence, first row, end row, a float32 total per row: finite iff the row is)
         self.checks: List[Tuple[SeqSpan, int, int, torch.Tensor]] = []
@@ -108,9 +108,9 @@ class TiledRunner:
         if wave[0].spanning:
             out = self._spanning(seq, wave, q, res, o, groups, hidden)
         else:  # every tile over one group: stage it, then each of its tiles' calls
-            pair = 1 if self.rows.residual is None else 2  # scores, and their residuals
+            pair = 1 if self.ops.residual is None else 2  # scores, and their residuals
             s = self._buf("s", pair * max(kv * t.size * g * t.keys for t in wave), til.work)
-            rows = self.rows
+            ops = self.ops
             for grp in groups:
                 members = [i for i, t in enumerate(wave) if t.g0 == grp]
                 if not members:
@@ -120,8 +120,8 @@ class TiledRunner:
                     t = wave[i]
                     shape = (pair, kv, t.size * g, t.keys)[2 - pair:]
                     row = s[:pair * kv * t.size * g * t.keys].view(shape)
-                    rows.scores(t, q[i], keys, grp, row)
-                    rows.values(t, rows.softmax(seq, t, row), values, grp, res.tile(o, i))
+                    ops.scores(t, q[i], keys, grp, row)
+                    ops.values(t, ops.softmax(seq, t, row), values, grp, res.tile(o, i))
             out = o
         self._finish(seq, res, out, a, b, target, row0)
 
@@ -129,7 +129,7 @@ class TiledRunner:
                   o: torch.Tensor, groups: range, hidden: Optional[int]) -> torch.Tensor:
         """A wave of tiles over several key groups: every tile's score row is kept while K
         is staged group by group, then V; ``P.V`` per group added in group order (float32)."""
-        til, kv, g, ops = self.til, self.kv, self.group, self.rows
+        til, kv, g, ops = self.til, self.kv, self.group, self.ops
         # One allocation per tile (its probabilities replace its scores in place; with its
         # residuals); the score buffer of tiles over one group goes first: the rows take the
         # whole score budget.

@@ -24,7 +24,7 @@ import torch
 
 from ..forced import forcing
 from ._attend import attend
-from .._common import ScaleLike, scale_factor
+from ..cache import ScaleLike, scale_factor
 from ._plan import PrefixInputs, SeqSpan, tiling
 from ..kv_write import FP8_CACHE_DTYPES
 from .prefix import alibi_window

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ....activation.log import log
-from .._common import (
+from ..cache import (
     ScaleLike,
     ceil_div,
     check_alibi,
