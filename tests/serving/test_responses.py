@@ -1,6 +1,7 @@
 """The Responses API and reasoning output through vLLM 0.6.3's own OpenAI app
-(tests/harness/real/tool_stream_app.py ``serve``: ``build_app`` + ``init_app_state``, hermes auto tool choice, the
-default front end's ``MQLLMEngineClient``, scripted model outputs split into deltas at will):
+(tests/harness/real/tool_stream_app.py ``serve``: ``build_app`` + ``init_app_state``, hermes
+auto tool choice, the default front end's ``MQLLMEngineClient``, scripted model outputs split
+into deltas at will):
 rows ``responses_api``, ``reasoning_flags``, ``reasoning_parser``, ``reasoning_output``,
 ``reasoning_stream`` (docs/serving-compat.md, "The Responses API", "Reasoning output").
 
