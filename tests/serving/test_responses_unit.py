@@ -7,6 +7,7 @@ tests/serving/test_responses.py, tests/serving/frameworks."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -329,3 +330,37 @@ def test_any_body_is_mapped_or_refused_by_name(data):
     assert all(m["role"] in ("system", "developer", "user", "assistant", "tool")
                for m in chat["messages"])
     json.dumps(chat)
+
+
+CLIENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                       "responses_clients.json")
+
+
+def _bodies():
+    """What each client sent to ``/v1/responses`` at its defaults, captured on 2026-12-06 (the
+    openai SDK 3.51.0, openai-agents 0.24.0, pydantic-ai 2.62.0, langchain-openai 1.7.4, the AI
+    SDK 3.0.141, Codex 0.171.0; strings over 300 characters cut)."""
+    with open(CLIENTS) as fh:
+        data = json.load(fh)
+    return [(f"{name}[{i}]", body) for name, entry in sorted(data.items())
+            for i, body in enumerate(entry["bodies"])]
+
+
+@pytest.mark.parametrize("name, sent", _bodies())
+def test_every_body_a_client_sent_at_its_defaults_is_served(name, sent):
+    from vllm_bi100_patch.serving import responses_store
+
+    responses_store.clear()
+    for item in sent.get("input") if isinstance(sent.get("input"), list) else ():
+        if item.get("type") == "item_reference":  # the AI SDK's earlier answer, kept here
+            responses_store.keep([answer.message_item("earlier", item_id=item["id"])])
+    chat, echo = rr.chat_body(sent)
+    responses_store.clear()
+    offered = [t for t in sent.get("tools") or () if t["type"] == "function"]
+    spaces = [f for t in sent.get("tools") or () if t["type"] == "namespace"
+              for f in t["tools"]]
+    assert len(chat.get("tools") or ()) == len(offered) + len(spaces)
+    assert echo["hosted_tools_dropped"] == [t["type"] for t in sent.get("tools") or ()
+                                            if t["type"] in rr.HOSTED]
+    assert bool(chat.get("stream")) == bool(sent.get("stream"))
+    assert echo["store"] == (sent.get("store") is not False)
