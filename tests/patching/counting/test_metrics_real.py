@@ -89,7 +89,8 @@ SERVING = {"chat_request_compat", "completion_request_compat", "chat_tool_calls"
            "error_message_cause", "seq_limit_client", "seq_limit_openai", "seq_limit_engine",
            "unschedulable_group", "stream_delta", "async_add_request", "llm_batch_refusal",
            "guided_decoding_errors", "hermes_tool_start", "stream_finish_reason",
-           "named_tool_stream", "hermes_tool_args", "hermes_cut_call"}
+           "named_tool_stream", "hermes_tool_args", "hermes_cut_call", "responses_api",
+           "reasoning_flags", "reasoning_parser", "reasoning_output", "reasoning_stream"}
 
 
 def test_vllms_own_series_are_unchanged_and_the_kill_switch_shows_none(shim, stock):
