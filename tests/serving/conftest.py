@@ -33,3 +33,65 @@ def serving_runs():
         out[name] = {r.get("case", r.get("scenario")): r for r in reports(done)}
         out[name + "_log"] = stdout + stderr  # vLLM's logger writes to stdout
     return out
+
+
+#: tests/harness/real/tool_stream_app.py ``serve`` apps, all started at once, once per session:
+#: test_hermes_stream.py reads shim, stock and args_off; test_responses.py shim, stock, r1 and
+#: qwen3.  args_off: the shim with the kill switches of the rows the hermes tests prove; r1: the
+#: shim started with upstream's reasoning flags; qwen3: the shim with the reasoning parser from
+#: the environment.
+TOOL_STREAM_SERVERS = {
+    "shim": {"VLLM_BI100_PATCH": "1"},
+    "stock": {"VLLM_BI100_PATCH": "0"},
+    "args_off": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_PATCH_DISABLE":
+                 "hermes_tool_args,named_tool_stream,hermes_cut_call"},
+    "r1": {"VLLM_BI100_PATCH": "1",
+           "BI100_APP_FLAGS": "--enable-reasoning --reasoning-parser deepseek_r1"},
+    "qwen3": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_REASONING_PARSER": "qwen3"},
+}
+
+
+@pytest.fixture(scope="session")
+def tool_stream_servers(tmp_path_factory):
+    """``{name: {"port", "applied", "log"}}`` of every ``TOOL_STREAM_SERVERS`` app, serving
+    until the session ends (their ERROR records are read as deltas: the apps are shared)."""
+    import json
+    import time
+
+    from helpers.probes import TAG
+
+    installed = installed_vllm()
+    if not installed.startswith("0.6.3"):
+        pytest.skip(f"the serving rows are for vLLM 0.6.3; this is {installed}")
+    tmp = tmp_path_factory.mktemp("tool-stream-apps")
+    procs, logs, info = {}, {}, {}
+    for name, env in TOOL_STREAM_SERVERS.items():
+        logs[name] = str(tmp / f"{name}.log")
+        with open(logs[name], "w") as log:
+            procs[name] = subprocess.Popen(
+                [sys.executable, os.path.join(REAL, "tool_stream_app.py"), "serve"],
+                env=clean_env(env), cwd=REAL, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        for name, proc in procs.items():
+            while name not in info:
+                with open(logs[name]) as fh:
+                    for line in fh:
+                        if line.startswith(TAG):
+                            info[name] = dict(json.loads(line[len(TAG):]), log=logs[name])
+                if name in info:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    with open(logs[name]) as fh:
+                        pytest.fail(f"the {name} server did not start (rc={proc.poll()}):\n"
+                                    f"{fh.read()[-6000:]}")
+                time.sleep(0.2)
+        yield info
+    finally:
+        for proc in procs.values():
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()

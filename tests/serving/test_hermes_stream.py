@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
-from helpers.probes import HARNESS, TAG, clean_env, installed_vllm
+from helpers.probes import HARNESS
 
 pytestmark = pytest.mark.real_vllm
 
@@ -44,55 +42,23 @@ sys.path.insert(0, REAL)
 START, END = "<tool_call>", "</tool_call>"
 #: args_off: the shim with the kill switches of the rows these tests prove (hermes_tool_args,
 #: named_tool_stream, hermes_cut_call), the other rows on.
-SERVERS = {"shim": {"VLLM_BI100_PATCH": "1"}, "stock": {"VLLM_BI100_PATCH": "0"},
-           "args_off": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_PATCH_DISABLE":
-                        "hermes_tool_args,named_tool_stream,hermes_cut_call"}}
+SERVERS = ("shim", "stock", "args_off")  # of conftest.TOOL_STREAM_SERVERS
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather",
                                          "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    installed = installed_vllm()
-    if not installed.startswith("0.6.3"):
-        pytest.skip(f"the hermes rows are for vLLM 0.6.3; this is {installed}")
-    tmp = tmp_path_factory.mktemp("hermes-stream")
-    procs, logs, ports = {}, {}, {}
-    for name, env in SERVERS.items():
-        logs[name] = str(tmp / f"{name}.log")
-        with open(logs[name], "w") as log:
-            procs[name] = subprocess.Popen(
-                [sys.executable, os.path.join(REAL, "tool_stream_app.py"), "serve"],
-                env=clean_env(env), cwd=REAL, stdin=subprocess.PIPE, stdout=log,
-                stderr=subprocess.STDOUT)
-    try:
-        for name, proc in procs.items():
-            ports[name] = _ready(name, proc, logs[name], time.monotonic() + 600)
-        yield ports
-    finally:
-        for proc in procs.values():
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-
-
-def _ready(name, proc, path, deadline):
-    while True:
-        with open(path) as fh:
-            for line in fh:
-                if line.startswith(TAG):
-                    info = json.loads(line[len(TAG):])
-                    applied = info["applied"] or []
-                    for row in ("hermes_tool_args", "named_tool_stream", "hermes_cut_call"):
-                        assert (row in applied) == (name == "shim"), (name, row, info)
-                    return info["port"]
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with open(path) as fh:
-                pytest.fail(f"the {name} server did not start (rc={proc.poll()}):\n"
-                            f"{fh.read()[-6000:]}")
-        time.sleep(0.2)
+def servers(tool_stream_servers):
+    """The ports of the shim, stock and args_off apps (conftest.py), each checked to have the
+    rows it claims."""
+    ports = {}
+    for name in SERVERS:
+        info = tool_stream_servers[name]
+        applied = info["applied"] or []
+        for row in ("hermes_tool_args", "named_tool_stream", "hermes_cut_call"):
+            assert (row in applied) == (name == "shim"), (name, row, info)
+        ports[name] = info["port"]
+    return ports
 
 
 # --- the model's outputs and their splits -----------------------------------------------

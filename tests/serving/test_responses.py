@@ -15,25 +15,18 @@ deepseek_r1``; the shim with ``VLLM_BI100_REASONING_PARSER=qwen3`` (no flag); st
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers.probes import HARNESS, TAG, clean_env, installed_vllm
+from helpers.probes import clean_env, installed_vllm
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytestmark = pytest.mark.real_vllm
 
-REAL = os.path.join(HARNESS, "real")
-SERVERS = {
-    "shim": {"VLLM_BI100_PATCH": "1"},
-    "r1": {"VLLM_BI100_PATCH": "1",
-           "BI100_APP_FLAGS": "--enable-reasoning --reasoning-parser deepseek_r1"},
-    "qwen3": {"VLLM_BI100_PATCH": "1", "VLLM_BI100_REASONING_PARSER": "qwen3"},
-    "stock": {"VLLM_BI100_PATCH": "0"},
-}
+#: Of conftest.TOOL_STREAM_SERVERS (started once per session, shared with
+#: test_hermes_stream.py: ERROR records are read as deltas).
+SERVERS = ("shim", "r1", "qwen3", "stock")
 ROWS = ("responses_api", "reasoning_flags", "reasoning_parser", "reasoning_output",
         "reasoning_stream")
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
@@ -43,43 +36,8 @@ CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    installed = installed_vllm()
-    if not installed.startswith("0.6.3"):
-        pytest.skip(f"the Responses and reasoning rows are for vLLM 0.6.3; this is {installed}")
-    tmp = tmp_path_factory.mktemp("responses")
-    procs, logs, info = {}, {}, {}
-    for name, env in SERVERS.items():
-        logs[name] = str(tmp / f"{name}.log")
-        with open(logs[name], "w") as log:
-            procs[name] = subprocess.Popen(
-                [sys.executable, os.path.join(REAL, "tool_stream_app.py"), "serve"],
-                env=clean_env(env), cwd=REAL, stdin=subprocess.PIPE, stdout=log,
-                stderr=subprocess.STDOUT)
-    try:
-        for name, proc in procs.items():
-            info[name] = _ready(name, proc, logs[name], time.monotonic() + 600)
-        yield {name: dict(i, log=logs[name]) for name, i in info.items()}
-    finally:
-        for proc in procs.values():
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-
-
-def _ready(name, proc, path, deadline):
-    while True:
-        with open(path) as fh:
-            for line in fh:
-                if line.startswith(TAG):
-                    return json.loads(line[len(TAG):])
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with open(path) as fh:
-                pytest.fail(f"the {name} server did not start (rc={proc.poll()}):\n"
-                            f"{fh.read()[-6000:]}")
-        time.sleep(0.2)
+def servers(tool_stream_servers):
+    return {name: tool_stream_servers[name] for name in SERVERS}
 
 
 def _http():
@@ -138,6 +96,7 @@ def test_the_rows_apply_with_the_shim_only(servers):
 
 
 def test_stock_063_has_no_responses_route_and_the_shim_serves_it(servers):
+    logged = len(errors(servers["shim"]["port"]))
     pieces = ["Hello", " there"]
     status, body = respond(servers["stock"]["port"], pieces)
     assert status == 404, body
@@ -151,7 +110,7 @@ def test_stock_063_has_no_responses_route_and_the_shim_serves_it(servers):
     usage = body["usage"]
     assert usage["output_tokens"] > 0 and usage["input_tokens"] > 0 and \
         usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    assert errors(servers["shim"]["port"]) == []
+    assert errors(servers["shim"]["port"])[logged:] == []
 
 
 def test_a_tool_call_is_a_function_call_item_and_its_result_goes_back(servers):
@@ -252,12 +211,13 @@ def test_what_is_not_served_is_a_400_naming_it(servers, fields, named):
 def test_a_body_that_is_not_json_or_too_deep_is_a_400(servers):
     import httpx
 
+    logged = len(errors(servers["shim"]["port"]))
     url = f"http://127.0.0.1:{servers['shim']['port']}/v1/responses"
     for raw in (b"{", b"[" * 100000 + b"]" * 100000, b'"text"'):
         resp = httpx.post(url, content=raw, headers={"content-type": "application/json"},
                           timeout=60)
         assert resp.status_code == 400, resp.text
-    assert errors(servers["shim"]["port"]) == []
+    assert errors(servers["shim"]["port"])[logged:] == []
 
 
 # --- reasoning ---------------------------------------------------------------------------
@@ -301,6 +261,7 @@ def test_stock_and_the_shim_without_a_parser_keep_the_thinking_in_content(server
 @pytest.mark.parametrize("server", ["r1", "qwen3"])
 def test_the_thinking_is_reasoning_content_and_tools_read_the_answer_only(servers, server):
     port = servers[server]["port"]
+    logged = len(errors(port))
     thinking = "The user asks. I could <tool_call>" + THINK[3] + "</tool_call> but no."
     status, body = chat(port, THINK, tools=[{"type": "function", "function": {
         "name": "nope", "parameters": {"type": "object"}}}])
@@ -318,7 +279,7 @@ def test_the_thinking_is_reasoning_content_and_tools_read_the_answer_only(server
     got = _streamed(events)
     assert (got["thinking"], got["text"]) == (thinking, "\n\nSunny today.")
     assert [i["type"] for i in got["final"]["output"]] == ["reasoning", "message"]
-    assert errors(port) == []
+    assert errors(port)[logged:] == []
 
 
 def test_a_call_after_the_thinking_is_a_call(servers):
@@ -375,8 +336,9 @@ def test_vllm_serve_takes_upstreams_reasoning_flags():
         pytest.skip(f"the reasoning rows are for vLLM 0.6.3; this is {installed}")
     code = "import sys; sys.argv = ['vllm', 'serve', '--help']; from vllm.scripts import main; main()"
     out = {}
-    for name in ("shim", "stock"):
-        proc = subprocess.run([sys.executable, "-c", code], env=clean_env(SERVERS[name]),
+    for name, mode in (("shim", "1"), ("stock", "0")):
+        proc = subprocess.run([sys.executable, "-c", code],
+                              env=clean_env({"VLLM_BI100_PATCH": mode}),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[name] = proc.stdout
