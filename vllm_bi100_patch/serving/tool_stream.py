@@ -28,9 +28,14 @@ Catalogue entries: rows ``hermes_tool_start`` and ``stream_finish_reason`` of
   final usage chunk counts the last choice's tokens only; with ``n`` > 1 the wrapper writes the
   sum of every choice's tokens there, as 0.6.3.post1 counts.
 - ``named_tool_stream`` (``named_stream.py``): the same wrapper rewrites the chunks of a stream
-  forced by a named ``tool_choice`` (id and type once, the name once, index 0).  Both rows
-  target this one method: the wrapper is installed by whichever of them is enabled first and
-  does what each enabled row does (``VLLM_BI100_PATCH_DISABLE`` names either alone).
+  forced by a named ``tool_choice`` (id and type once, the name once, index 0).
+- ``reasoning_stream`` (``reasoning.py``): for an app with a reasoning parser, the same wrapper
+  splits each engine output's thinking off before 0.6.3 reads it and sends it as
+  ``delta.reasoning_content``.
+
+The three rows target this one method: the wrapper is installed by whichever of them is
+enabled first and does what each enabled row does (``VLLM_BI100_PATCH_DISABLE`` names any of
+them alone).
 
 Never imports vLLM.
 """
@@ -244,7 +249,7 @@ def make_stream_wrapper(family: Family, original: Callable[..., Any],
         thinking = reasoning.Chunks(taken) if taken is not None else None
         if not finish_on:
             if rewrite is None and thinking is None:
-                return wrapped(*args, **kwargs) if taken is None else wrapped(*values)
+                return wrapped(*args, **kwargs)
             return _rewritten(rewrite, thinking, wrapped(*values))
         watch = _Watch()
         values[1] = watch.outputs(results)
