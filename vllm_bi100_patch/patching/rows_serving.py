@@ -37,6 +37,12 @@ _VLLM_063 = ("0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's being the s
              "driven through vLLM's own {what} on both); not applied on other releases")
 _GUIDED = "docs/serving-compat.md, \"Guided decoding\""
 
+#: The reasoning rows' (``serving/reasoning.py``, ``serving/reasoning_config.py``).
+_REASONING_UPSTREAM = "vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)"
+_REASONING_VLLM = ("0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
+                   "`serving_chat.py`; driven through 0.6.3's app on both); not applied on "
+                   "other releases")
+
 ROWS: Tuple[Patch, ...] = (
     Patch(
         "unschedulable_group", WRAP_INSTANCE, SCHEDULER + ":Scheduler._schedule_prefills",
@@ -250,7 +256,7 @@ ROWS: Tuple[Patch, ...] = (
             "(vLLM's plugin entry point) uses `VLLM_BI100_REASONING_PARSER` instead",
         vllm="0.6.3 (code checked against 0.6.3.post1, CoreX 3.2.3's `cli_args.py` being "
              "0.6.3's); not applied on other releases",
-        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        upstream=_REASONING_UPSTREAM,
         removal="when the oldest vLLM the shim supports is 0.8.5"),
     Patch(
         "reasoning_parser", REPLACE_FUNCTION, API_SERVER + ":init_app_state",
@@ -286,10 +292,7 @@ ROWS: Tuple[Patch, ...] = (
             "guided request (structured output, a named or `required` tool, `guided_*`) is "
             "not split: 0.6.3's guide applies from the first token, so the model writes no "
             "thinking; apps without a parser pass through untouched",
-        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
-             "`serving_chat.py`; driven through 0.6.3's app on both); not applied on other "
-             "releases",
-        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        vllm=_REASONING_VLLM, upstream=_REASONING_UPSTREAM,
         removal="with `reasoning_flags`"),
     Patch(
         "error_message_cause", WRAP_INSTANCE, SERVING + ":OpenAIServing.create_error_response",
@@ -490,10 +493,7 @@ ROWS: Tuple[Patch, ...] = (
             "left before the usage chunk and `[DONE]`; guided requests not split. Runs in "
             "the wrapper `stream_finish_reason` installs (one wrapper, whichever of the "
             "three rows is enabled)",
-        vllm="0.6.3 (code checked against 0.6.3.post1 and CoreX 3.2.3's vendored "
-             "`serving_chat.py`; driven through 0.6.3's app on both); not applied on other "
-             "releases",
-        upstream="vLLM pull requests #12473 (0.7.1), #17466 (`qwen3`, 0.8.5)",
+        vllm=_REASONING_VLLM, upstream=_REASONING_UPSTREAM,
         removal="with `reasoning_flags`"),
     Patch(
         "hermes_tool_args", WRAP_INSTANCE,
