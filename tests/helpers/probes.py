@@ -98,6 +98,37 @@ def reports(proc: subprocess.CompletedProcess) -> list:
     return out
 
 
+def served(name: str, proc: subprocess.Popen, log_path: str, deadline: float) -> dict:
+    """The first report line a server process writes to ``log_path`` (its port, ...), once it
+    serves; the test fails with the log's tail if the process ends or ``deadline``
+    (``time.monotonic()``) passes first."""
+    import time
+
+    import pytest
+
+    while True:
+        with open(log_path) as fh:
+            for line in fh:
+                if line.startswith(TAG):
+                    return json.loads(line[len(TAG):])
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with open(log_path) as fh:
+                tail = fh.read()[-6000:]
+            pytest.fail(f"the {name} server did not start (rc={proc.poll()}):\n{tail}")
+        time.sleep(0.2)
+
+
+def stop_servers(procs) -> None:
+    """Close each server process's stdin (they serve until it closes) and wait for it; one
+    that does not end within 60 s is killed."""
+    for proc in procs:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+
+
 def run_probe(script: str, mode: str, env: Optional[Dict[str, str]] = None,
               timeout: int = 900) -> Tuple[dict, str]:
     """Run ``python script mode`` in a fresh interpreter of this venv, in the script's folder,

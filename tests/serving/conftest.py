@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.probes import HARNESS, clean_env, installed_vllm, reports
+from helpers.probes import HARNESS, clean_env, installed_vllm, reports, served, stop_servers
 
 REAL = os.path.join(HARNESS, "real")
 #: One interpreter each (both started at once): the scheduler scenarios, then the server app.
@@ -55,16 +55,13 @@ TOOL_STREAM_SERVERS = {
 def tool_stream_servers(tmp_path_factory):
     """``{name: {"port", "applied", "log"}}`` of every ``TOOL_STREAM_SERVERS`` app, serving
     until the session ends (their ERROR records are read as deltas: the apps are shared)."""
-    import json
     import time
-
-    from helpers.probes import TAG
 
     installed = installed_vllm()
     if not installed.startswith("0.6.3"):
         pytest.skip(f"the serving rows are for vLLM 0.6.3; this is {installed}")
     tmp = tmp_path_factory.mktemp("tool-stream-apps")
-    procs, logs, info = {}, {}, {}
+    procs, logs = {}, {}
     for name, env in TOOL_STREAM_SERVERS.items():
         logs[name] = str(tmp / f"{name}.log")
         with open(logs[name], "w") as log:
@@ -74,24 +71,8 @@ def tool_stream_servers(tmp_path_factory):
                 stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
-        for name, proc in procs.items():
-            while name not in info:
-                with open(logs[name]) as fh:
-                    for line in fh:
-                        if line.startswith(TAG):
-                            info[name] = dict(json.loads(line[len(TAG):]), log=logs[name])
-                if name in info:
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    with open(logs[name]) as fh:
-                        pytest.fail(f"the {name} server did not start (rc={proc.poll()}):\n"
-                                    f"{fh.read()[-6000:]}")
-                time.sleep(0.2)
+        info = {name: dict(served(name, proc, logs[name], deadline), log=logs[name])
+                for name, proc in procs.items()}
         yield info
     finally:
-        for proc in procs.values():
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+        stop_servers(procs.values())

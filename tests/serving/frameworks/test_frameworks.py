@@ -25,7 +25,7 @@ import tempfile
 import time
 
 import pytest
-from helpers.probes import TAG, clean_env
+from helpers.probes import TAG, clean_env, served, stop_servers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -73,20 +73,6 @@ def _start(label, log_path):
     return proc
 
 
-def _ready(label, proc, log_path, deadline):
-    """The server's report line (its port, vLLM version, applied rows) once it serves."""
-    while True:
-        with open(log_path) as fh:
-            for line in fh:
-                if line.startswith(TAG):
-                    return json.loads(line[len(TAG):])
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with open(log_path) as fh:
-                tail = fh.read()[-6000:]
-            pytest.fail(f"the {label} server did not start (rc={proc.poll()}):\n{tail}")
-        time.sleep(0.2)
-
-
 def _table(reports, servers) -> str:
     head = "| case | " + " | ".join(servers) + " |\n|---|" + "---|" * len(servers) + "\n"
     rows = []
@@ -125,7 +111,7 @@ def outcomes():
     reports, versions, seconds = {}, {}, {}
     t0 = time.monotonic()
     try:
-        servers = {label: _ready(label, procs[label], logs[label], deadline)
+        servers = {label: served(label, procs[label], logs[label], deadline)
                    for label in labels}
         seconds["servers_ready"] = round(time.monotonic() - t0, 1)
         urls = [f"{label}=http://127.0.0.1:{servers[label]['port']}" for label in labels]
@@ -146,12 +132,7 @@ def outcomes():
                     versions[group] = r["versions"]
             seconds[group] = round(time.monotonic() - t1, 1)
     finally:
-        for proc in procs.values():
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+        stop_servers(procs.values())
     vllm = servers[labels[0]]["vllm"]
     with open(os.path.join(out, f"outcomes-{vllm}.json"), "w") as fh:
         json.dump({"vllm": vllm, "servers": servers, "versions": versions, "seconds": seconds,
