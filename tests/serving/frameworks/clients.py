@@ -363,22 +363,23 @@ def _agent_usage(ctx, result):
           "usage (requests, input, output)")
 
 
-@case("openai_agents.tool_run_sync")
-def agents_tool(ctx):
+def _agents_tool_run(ctx, agent):
+    """The tool loop of ``agent(ctx, **kw)`` (``_agent``: chat completions;
+    ``_responses_agent``: the Responses API), run to its end."""
     from agents import Runner
-    result = Runner.run_sync(_agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
+    result = Runner.run_sync(agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
     equal(result.final_output, ctx.tool_round(), "final output")
     _agent_usage(ctx, result)
 
 
-@case("openai_agents.tool_run_streamed")
-def agents_tool_streamed(ctx):
+def _agents_tool_streamed(ctx, agent):
+    """The same loop streamed; the result (its usage is the caller's to check)."""
     import asyncio
 
     from agents import Runner
 
     async def go():
-        result = Runner.run_streamed(_agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
+        result = Runner.run_streamed(agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
         kinds = [ev.item.type async for ev in result.stream_events()
                  if ev.type == "run_item_stream_event"]
         return result, kinds
@@ -386,6 +387,23 @@ def agents_tool_streamed(ctx):
     result, kinds = asyncio.run(go())
     equal(result.final_output, ctx.tool_round(), "final output")
     check("tool_call_output_item" in kinds, f"no tool output among the events {kinds}")
+    return result
+
+
+def _agents_output_type(ctx, agent):
+    from agents import Runner
+    result = Runner.run_sync(agent(ctx, output_type=Report), ctx.prompt())
+    equal(result.final_output, ctx.structured(), "final output")
+
+
+@case("openai_agents.tool_run_sync")
+def agents_tool(ctx):
+    _agents_tool_run(ctx, _agent)
+
+
+@case("openai_agents.tool_run_streamed")
+def agents_tool_streamed(ctx):
+    result = _agents_tool_streamed(ctx, _agent)
     # Streamed, the SDK asks for usage (stream_options.include_usage) only from OpenAI's own
     # base URL (ModelSettings.include_usage left unset): its token counts stay 0 here.
     equal(result.context_wrapper.usage.requests, len(ctx.requests()), "usage (requests)")
@@ -393,9 +411,7 @@ def agents_tool_streamed(ctx):
 
 @case("openai_agents.output_type")
 def agents_output_type(ctx):
-    from agents import Runner
-    result = Runner.run_sync(_agent(ctx, output_type=Report), ctx.prompt())
-    equal(result.final_output, ctx.structured(), "final output")
+    _agents_output_type(ctx, _agent)
 
 
 # --------------------------------------------------------------------------- pydantic-ai
@@ -413,20 +429,31 @@ def _pai_usage(ctx, result):
           "usage (requests, input, output)")
 
 
-@case("pydantic_ai.tool_text_output")
-def pai_tool(ctx):
+def _pai_tool_run(ctx, model):
+    """A tool and a text answer with ``model(ctx)`` (``_pai_model``: chat completions;
+    ``_pai_responses``: the Responses API)."""
     from pydantic_ai import Agent
-    result = Agent(_pai_model(ctx), tools=[ctx.get_weather]).run_sync(ctx.prompt())
+    result = Agent(model(ctx), tools=[ctx.get_weather]).run_sync(ctx.prompt())
     equal(result.output, ctx.tool_round(), "output")
     _pai_usage(ctx, result)
 
 
-@case("pydantic_ai.output_type")
-def pai_output_type(ctx):
+def _pai_output_type(ctx, model):
+    """Its default output mode: a tool (final_result) with tool_choice "required"."""
     from pydantic_ai import Agent
-    result = Agent(_pai_model(ctx), output_type=Report).run_sync(ctx.prompt())
+    result = Agent(model(ctx), output_type=Report).run_sync(ctx.prompt())
     equal(result.output, ctx.structured(), "output")
     _pai_usage(ctx, result)
+
+
+@case("pydantic_ai.tool_text_output")
+def pai_tool(ctx):
+    _pai_tool_run(ctx, _pai_model)
+
+
+@case("pydantic_ai.output_type")
+def pai_output_type(ctx):
+    _pai_output_type(ctx, _pai_model)
 
 
 @case("pydantic_ai.native_output")
@@ -615,36 +642,17 @@ def _responses_agent(ctx, **kw):
 
 @case("responses_openai_agents.tool_run_sync")
 def responses_agents_tool(ctx):
-    from agents import Runner
-    result = Runner.run_sync(_responses_agent(ctx, tools=[_agent_tool(ctx)]), ctx.prompt())
-    equal(result.final_output, ctx.tool_round(), "final output")
-    _agent_usage(ctx, result)
+    _agents_tool_run(ctx, _responses_agent)
 
 
 @case("responses_openai_agents.tool_run_streamed")
 def responses_agents_tool_streamed(ctx):
-    import asyncio
-
-    from agents import Runner
-
-    async def go():
-        result = Runner.run_streamed(_responses_agent(ctx, tools=[_agent_tool(ctx)]),
-                                     ctx.prompt())
-        kinds = [ev.item.type async for ev in result.stream_events()
-                 if ev.type == "run_item_stream_event"]
-        return result, kinds
-
-    result, kinds = asyncio.run(go())
-    equal(result.final_output, ctx.tool_round(), "final output")
-    check("tool_call_output_item" in kinds, f"no tool output among the events {kinds}")
-    _agent_usage(ctx, result)
+    _agent_usage(ctx, _agents_tool_streamed(ctx, _responses_agent))
 
 
 @case("responses_openai_agents.output_type")
 def responses_agents_output_type(ctx):
-    from agents import Runner
-    result = Runner.run_sync(_responses_agent(ctx, output_type=Report), ctx.prompt())
-    equal(result.final_output, ctx.structured(), "final output")
+    _agents_output_type(ctx, _responses_agent)
 
 
 def _pai_responses(ctx):
@@ -656,19 +664,12 @@ def _pai_responses(ctx):
 
 @case("responses_pydantic_ai.tool_text_output")
 def responses_pai_tool(ctx):
-    from pydantic_ai import Agent
-    result = Agent(_pai_responses(ctx), tools=[ctx.get_weather]).run_sync(ctx.prompt())
-    equal(result.output, ctx.tool_round(), "output")
-    _pai_usage(ctx, result)
+    _pai_tool_run(ctx, _pai_responses)
 
 
 @case("responses_pydantic_ai.output_type")
 def responses_pai_output_type(ctx):
-    # its default output mode: a tool (final_result) with tool_choice "required"
-    from pydantic_ai import Agent
-    result = Agent(_pai_responses(ctx), output_type=Report).run_sync(ctx.prompt())
-    equal(result.output, ctx.structured(), "output")
-    _pai_usage(ctx, result)
+    _pai_output_type(ctx, _pai_responses)
 
 
 @case("responses_pydantic_ai.stream_tool")
