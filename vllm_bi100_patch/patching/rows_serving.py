@@ -246,7 +246,7 @@ ROWS: Tuple[Patch, ...] = (
         "reasoning_flags", REPLACE_FUNCTION, CLI_ARGS + ":make_arg_parser",
         "vllm_bi100_patch.serving.reasoning_config:make_flags_wrapper",
         params="code:vllm_bi100_patch.serving.reasoning_config:check_flags",
-        when="vllm_bi100_patch.serving.reasoning_config:on_063", counters=(),
+        when=_ON_063, counters=(),
         why="upstream's `vllm serve --enable-reasoning --reasoning-parser deepseek_r1` (0.7; "
             "`qwen3` from 0.8.5) is refused by vLLM 0.6.3's command line (`unrecognized "
             "arguments`): the thinking of Qwen3 and DeepSeek-R1 models stays in `content`",
@@ -262,7 +262,7 @@ ROWS: Tuple[Patch, ...] = (
         "reasoning_parser", REPLACE_FUNCTION, API_SERVER + ":init_app_state",
         "vllm_bi100_patch.serving.reasoning_config:make_state_wrapper",
         params="code:vllm_bi100_patch.serving.reasoning_config:check_state",
-        when="vllm_bi100_patch.serving.reasoning_config:on_063", counters=(),
+        when=_ON_063, counters=(),
         why="the flags of `reasoning_flags` (or `VLLM_BI100_REASONING_PARSER`) must reach the "
             "app they configure",
         how="before the original builds the serving classes, the parser asked for is checked "
@@ -279,7 +279,7 @@ ROWS: Tuple[Patch, ...] = (
         SERVING_CHAT + ":OpenAIServingChat.chat_completion_full_generator",
         "vllm_bi100_patch.serving.reasoning:make_full_wrapper",
         params="code:vllm_bi100_patch.serving.reasoning:check_full",
-        when="vllm_bi100_patch.serving.reasoning_config:on_063",
+        when=_ON_063,
         counters=("reasoning_output",),
         why="on vLLM 0.6.3 a reasoning model's `<think>...</think>` arrives inside `content` "
             "(a small `max_tokens` returns only thinking; a client that parses the content "
@@ -482,7 +482,7 @@ ROWS: Tuple[Patch, ...] = (
         SERVING_CHAT + ":OpenAIServingChat.chat_completion_stream_generator",
         "vllm_bi100_patch.serving.tool_stream:make_stream_wrapper",
         params="code:vllm_bi100_patch.serving.tool_stream:check_stream",
-        when="vllm_bi100_patch.serving.reasoning_config:on_063",
+        when=_ON_063,
         counters=("reasoning_stream",),
         why="`reasoning_output`'s concern for streams: the thinking arrives in "
             "`delta.content` and the streaming tool parser reads it",

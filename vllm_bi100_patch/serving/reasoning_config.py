@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..activation import config
 from ..activation.log import log
-from ..patching import code_shapes, versions
+from ..patching import code_shapes
 from ..patching.factories import Wrapper
 from ..patching.versions import Family
 
@@ -61,10 +61,6 @@ def chosen(args: Any, settings: config.Settings) -> Optional[str]:
         raise ValueError(f"reasoning parser {name!r} is not served by vllm-bi100-patch on "
                          f"vLLM 0.6.3 (served: {', '.join(PARSERS)})")
     return name
-
-
-def on_063(module: types.ModuleType, settings: config.Settings) -> Optional[str]:
-    return versions.only_063()
 
 
 def check_flags(func: Callable[..., Any]) -> Optional[str]:
@@ -116,4 +112,4 @@ def make_state_wrapper(family: Family, original: Callable[..., Any], module: typ
 
 
 __all__ = ["PARSERS", "check_flags", "check_state", "chosen", "make_flags_wrapper",
-           "make_state_wrapper", "on_063", "parser_of"]
+           "make_state_wrapper", "parser_of"]
